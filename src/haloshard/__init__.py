@@ -1,0 +1,21 @@
+"""haloshard: halo layouts and differentiable neighbour exchange for context parallelism.
+
+Importing the package initialises no process group and no device.
+"""
+
+from haloshard._errors import HaloError
+from haloshard._exchange import TRANSPORTS, halo_exchange
+from haloshard._layout import PAD_MODES, HaloShard, shard_size_and_offset, shard_sizes
+
+__all__ = [
+    # layout
+    "PAD_MODES",
+    "HaloShard",
+    "shard_size_and_offset",
+    "shard_sizes",
+    # exchange
+    "TRANSPORTS",
+    "halo_exchange",
+    # errors
+    "HaloError",
+]

@@ -1,0 +1,173 @@
+"""Every collective and point-to-point call haloshard makes lives in this module.
+
+Groups arrive as a ProcessGroup, a 1-D DeviceMesh or a `(mesh, mesh_axis)` pair and are
+resolved once into a `Group`: group-local rank and size (symbolic per-rank ints under
+`LocalTensorMode`), the ProcessGroup, and the form functional collectives accept. Peers are
+group-local ranks; P2P converts them to global ranks with `dist.get_global_rank`, so a `cp`
+sub-mesh of a `(dp, cp)` mesh works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed._local_tensor import LocalIntNode, enabled_local_tensor_mode
+from torch.distributed.device_mesh import DeviceMesh
+
+from haloshard._errors import HaloError
+
+GroupLike = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str]
+
+
+@dataclass(frozen=True)
+class Group:
+    """A resolved group: what the exchange needs to know about it."""
+
+    pg: dist.ProcessGroup
+    funcol_group: Any
+    size: int
+    rank: int | torch.SymInt
+
+
+def _mesh_axis(mesh: DeviceMesh, mesh_axis: int | str) -> int:
+    names = mesh.mesh_dim_names or ()
+    if isinstance(mesh_axis, str):
+        if mesh_axis not in names:
+            raise HaloError(f"mesh axis {mesh_axis!r} is not one of the mesh's names {names}")
+        return names.index(mesh_axis)
+    if not 0 <= mesh_axis < mesh.ndim:
+        raise HaloError(f"mesh axis {mesh_axis} is out of range for a {mesh.ndim}-D mesh")
+    return mesh_axis
+
+
+def _from_mesh(mesh: DeviceMesh, mesh_axis: int | str) -> Group:
+    axis = _mesh_axis(mesh, mesh_axis)
+    if mesh.get_coordinate() is None:
+        raise HaloError(f"this rank is not in the device mesh {mesh}")
+    return Group(mesh.get_group(axis), (mesh, axis), mesh.size(axis), mesh.get_local_rank(axis))
+
+
+def _from_pg(pg: dist.ProcessGroup) -> Group:
+    lm = enabled_local_tensor_mode()
+    if lm is None:
+        rank = dist.get_rank(pg)
+        if rank < 0:
+            raise HaloError(
+                f"this rank ({dist.get_rank()}) is not in the group with ranks "
+                f"{dist.get_process_group_ranks(pg)}"
+            )
+        return Group(pg, pg, pg.size(), rank)
+    members = dist.get_process_group_ranks(pg)
+    if set(lm.ranks) - set(members):
+        raise HaloError(
+            f"under LocalTensorMode a ProcessGroup must hold every simulated rank "
+            f"{sorted(lm.ranks)}, got {members}; pass a DeviceMesh axis instead"
+        )
+    local = {r: dist.get_group_rank(pg, r) for r in lm.ranks}
+    return Group(pg, pg, pg.size(), torch.SymInt(LocalIntNode(local)))
+
+
+def resolve_group(group: GroupLike) -> Group:
+    """Resolve a ProcessGroup, a 1-D DeviceMesh or a `(mesh, mesh_axis)` pair.
+
+    Raises:
+        HaloError: for any other value, a mesh of more than one dim without an axis, or a
+            group the calling rank is not in.
+    """
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        return _from_mesh(group[0], group[1])
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise HaloError(
+                f"a {group.ndim}-D DeviceMesh needs an axis: pass (mesh, mesh_axis), "
+                f"e.g. (mesh, {(group.mesh_dim_names or (group.ndim - 1,))[-1]!r})"
+            )
+        return _from_mesh(group, 0)
+    if isinstance(group, dist.ProcessGroup):
+        return _from_pg(group)
+    raise HaloError(
+        "group must be a ProcessGroup, a 1-D DeviceMesh or a (DeviceMesh, mesh_axis) pair, "
+        f"got {type(group).__name__}"
+    )
+
+
+def gather_ints(values: torch.Tensor, group: Group) -> list[list[int]]:
+    """All-gather one small int64 vector per rank; every rank gets every rank's row."""
+    flat = funcol.all_gather_single(values, 0, group.funcol_group).tolist()
+    n = len(flat) // group.size
+    return [flat[i * n : (i + 1) * n] for i in range(group.size)]
+
+
+def all_to_all(
+    buf: torch.Tensor, recv_splits: list[Any], send_splits: list[Any], group: Group
+) -> torch.Tensor:
+    """Differentiable all-to-all along dim 0 with per-peer split sizes (zero: no bytes)."""
+    return funcol.all_to_all_single_autograd(buf, recv_splits, send_splits, group.funcol_group)
+
+
+def all_gather(buf: torch.Tensor, group: Group) -> torch.Tensor:
+    """Differentiable all-gather along dim 0; backward is a reduce-scatter (deterministic)."""
+    return funcol.all_gather_single_autograd(buf, 0, group.funcol_group)
+
+
+def _p2p_move(
+    buf: torch.Tensor, recv_splits: list[int], send_splits: list[int], pg: dist.ProcessGroup
+) -> torch.Tensor:
+    out = buf.new_empty((sum(recv_splits), *buf.shape[1:]))
+    if buf.shape[1:].numel() == 0:
+        return out
+    ops = [
+        dist.P2POp(dist.isend, chunk, group=pg, group_peer=peer)
+        for peer, chunk in enumerate(buf.split(send_splits))
+        if chunk.shape[0]
+    ] + [
+        dist.P2POp(dist.irecv, chunk, group=pg, group_peer=peer)
+        for peer, chunk in enumerate(out.split(recv_splits))
+        if chunk.shape[0]
+    ]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return out
+
+
+class _P2PMove(torch.autograd.Function):
+    """Forward: chunk q of `buf` (send_splits[q] slices) goes to peer q, chunk p of the output
+    comes from peer p. Backward: the same move with the splits swapped (its adjoint)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        buf: torch.Tensor,
+        recv_splits: list[int],
+        send_splits: list[int],
+        pg: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        ctx.splits, ctx.pg = (recv_splits, send_splits), pg
+        return _p2p_move(buf.contiguous(), recv_splits, send_splits, pg)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        recv_splits, send_splits = ctx.splits
+        return _p2p_move(grad.contiguous(), send_splits, recv_splits, ctx.pg), None, None, None
+
+
+def p2p(
+    buf: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: Group
+) -> torch.Tensor:
+    """Differentiable neighbour move with `batch_isend_irecv`; eager, real groups only."""
+    if torch.compiler.is_compiling():
+        raise HaloError(
+            "transport='p2p' cannot run under torch.compile (batch_isend_irecv is not "
+            "traceable safely); use transport='all_to_all'"
+        )
+    if enabled_local_tensor_mode() is not None:
+        raise HaloError(
+            "transport='p2p' needs real processes; under LocalTensorMode use 'all_to_all' "
+            "or 'allgather'"
+        )
+    return _P2PMove.apply(buf, recv_splits, send_splits, group.pg)

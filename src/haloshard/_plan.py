@@ -1,0 +1,121 @@
+"""Who sends which slices to whom: the exchange plan for one rank.
+
+DistDL's model: first fix what each rank must hold (its chunk plus halos, from
+`HaloShard.local_sources`), then derive, for every remote slice, its owner and the owner's
+local offset. Each rank receives every remote slice it needs exactly once, however many halo
+positions copy it (replicate and reflect repeat slices), so bytes on the wire equal the
+distinct halo bytes. The plan is pure Python and cached: it depends only on the rank, the
+chunk lengths and the halo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
+
+from haloshard._layout import padded_source
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """One rank's part of a halo exchange; all offsets are rank-local slice indices.
+
+    The receive buffer holds, for source ranks in order, the distinct slices wanted from each
+    (sorted). The halo source buffer is `recv ++ own slices (self_idx) ++ [one zero slice]`;
+    `left_idx` / `right_idx` index it to build the halos.
+    """
+
+    send_idx: tuple[int, ...]
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    self_idx: tuple[int, ...]
+    left_idx: tuple[int, ...]
+    right_idx: tuple[int, ...]
+    gather_idx: tuple[int, ...]
+    gather_len: int
+    gather_pick: tuple[int, ...]
+
+    @property
+    def halo_source_len(self) -> int:
+        return sum(self.recv_splits) + len(self.self_idx) + 1
+
+
+def _owner(index: int, ends: tuple[int, ...]) -> int:
+    for rank, end in enumerate(ends):
+        if index < end:
+            return rank
+    raise AssertionError(f"slice {index} beyond the global length {ends[-1]}")
+
+
+def _wanted(
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str
+) -> tuple[list[int | None], list[int | None]]:
+    """Global sources of `rank`'s left and right halo slices (None: zero)."""
+    total = sum(lengths)
+    start = sum(lengths[:rank])
+    end = start + lengths[rank]
+    lefts = [padded_source(start - left + i, total, pad) for i in range(left)]
+    rights = [padded_source(end + i, total, pad) for i in range(right)]
+    return lefts, rights
+
+
+def _remote_needs(
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str
+) -> list[list[int]]:
+    """For every source rank, the sorted distinct global slices `rank` needs from it."""
+    ends = tuple(accumulate(lengths))
+    needs: list[set[int]] = [set() for _ in lengths]
+    lefts, rights = _wanted(rank, lengths, left, right, pad)
+    for g in lefts + rights:
+        if g is not None:
+            needs[_owner(g, ends)].add(g)
+    needs[rank] = set()
+    return [sorted(n) for n in needs]
+
+
+@lru_cache(maxsize=4096)
+def exchange_plan(
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str
+) -> ExchangePlan:
+    """The plan for `rank` given every rank's chunk length along the sharded dim.
+
+    Example::
+        >>> p = exchange_plan(1, (2, 2, 1, 0), 3, 0, "zeros")
+        >>> p.recv_splits, p.left_idx
+        ((2, 0, 0, 0), (2, 0, 1))
+    """
+    starts = (0, *accumulate(lengths))
+    world = len(lengths)
+    mine = _remote_needs(rank, lengths, left, right, pad)
+    theirs = _theirs(rank, lengths, left, right, pad)
+    send_idx = tuple(g - starts[rank] for wanted in theirs for g in wanted)
+    recv_order = [g for wanted in mine for g in wanted]
+    position = {g: i for i, g in enumerate(recv_order)}
+    lefts, rights = _wanted(rank, lengths, left, right, pad)
+    own = sorted({g for g in lefts + rights if g is not None} - set(position))
+    for i, g in enumerate(own):
+        position[g] = len(recv_order) + i
+    zero = len(recv_order) + len(own)
+    union = [sorted({g for w in _theirs(q, lengths, left, right, pad) for g in w})
+             for q in range(world)]
+    gather_len = max((len(u) for u in union), default=0)
+    slot = {g: q * gather_len + i for q, u in enumerate(union) for i, g in enumerate(u)}
+    return ExchangePlan(
+        send_idx=send_idx,
+        send_splits=tuple(len(w) for w in theirs),
+        recv_splits=tuple(len(w) for w in mine),
+        self_idx=tuple(g - starts[rank] for g in own),
+        left_idx=tuple(zero if g is None else position[g] for g in lefts),
+        right_idx=tuple(zero if g is None else position[g] for g in rights),
+        gather_idx=tuple(g - starts[rank] for g in union[rank]),
+        gather_len=gather_len,
+        gather_pick=tuple(slot[g] for g in recv_order),
+    )
+
+
+def _theirs(
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str
+) -> list[list[int]]:
+    """For every destination rank, the global slices it needs from `rank`."""
+    return [_remote_needs(p, lengths, left, right, pad)[rank] for p in range(len(lengths))]

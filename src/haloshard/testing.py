@@ -1,0 +1,259 @@
+"""Test helpers shipped with the package: simulated ranks, gloo worlds, references.
+
+The same SPMD test body runs in two harnesses:
+- `simulated_mesh(n)`: one process, a `fake` process group and `LocalTensorMode`, so every
+  tensor holds one value per simulated rank and collectives move real data (seconds);
+- `GlooWorld(n)`: n real processes on CPU with gloo, started once and reused for many calls
+  (the truth). A call that does not return in time kills the world and raises, never hangs.
+`rank_map` and `assert_close_per_rank` make one body work in both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import math
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from einops import rearrange
+from torch.distributed._local_tensor import (
+    LocalTensorMode,
+    maybe_disable_local_tensor_mode,
+    maybe_run_for_local_tensor,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from haloshard._errors import HaloError
+from haloshard._layout import shard_size_and_offset
+
+_F_PAD_MODE = {"zeros": "constant", "replicate": "replicate", "reflect": "reflect",
+               "circular": "circular"}
+
+
+def reference_pad(full: torch.Tensor, left: int, right: int, dim: int, pad: str) -> torch.Tensor:
+    """`F.pad` of `full` along any `dim`, every pad mode (the single-device reference).
+
+    Example::
+        >>> reference_pad(torch.arange(3.0), 1, 2, 0, "replicate")
+        tensor([0., 0., 1., 2., 2., 2.])
+    """
+    flat = rearrange(full.movedim(dim, -1), "... t -> 1 (...) t")
+    out = F.pad(flat, (left, right), mode=_F_PAD_MODE[pad])
+    moved = out.reshape(*full.movedim(dim, -1).shape[:-1], out.shape[-1])
+    return moved.movedim(-1, dim)
+
+
+def reference_halo(
+    full: torch.Tensor, left: int, right: int, dim: int, world_size: int, rank: int,
+    pad: str = "zeros",
+) -> torch.Tensor:
+    """Rank's `halo_exchange` output computed on one device: a slice of `reference_pad`."""
+    size, offset = shard_size_and_offset(full.shape[dim], world_size, rank)
+    return reference_pad(full, left, right, dim, pad).narrow(dim, offset, size + left + right)
+
+
+def shard(full: torch.Tensor, dim: int, world_size: int, rank: int) -> torch.Tensor:
+    """Rank's `Shard(dim)` chunk of `full` (uneven and empty chunks included)."""
+    size, offset = shard_size_and_offset(full.shape[dim], world_size, rank)
+    return full.narrow(dim, offset, size)
+
+
+def single_device() -> contextlib.AbstractContextManager[None]:
+    """Run plain single-device code (the reference) inside a simulated mesh.
+
+    Under `LocalTensorMode` every op, even on plain tensors, is run per simulated rank;
+    the reference must run outside it. A no-op in real processes.
+    """
+    return maybe_disable_local_tensor_mode()
+
+
+def rank_map(mesh: DeviceMesh, fn: Callable[[int], Any], *, mesh_axis: int | str = 0) -> Any:
+    """`fn(rank)` with this rank's coordinate on `mesh_axis`.
+
+    Under `LocalTensorMode` it runs once per simulated rank and returns a LocalTensor (or a
+    per-rank int); in a real process it simply calls `fn`.
+    """
+    return maybe_run_for_local_tensor(fn)(mesh.get_local_rank(mesh_axis))
+
+
+def assert_close_per_rank(
+    actual: torch.Tensor, expected: Callable[[int], torch.Tensor], mesh: DeviceMesh,
+    *, mesh_axis: int | str = 0, atol: float = 0.0, rtol: float = 0.0,
+) -> None:
+    """Assert every rank's `actual` equals `expected(rank)`; exact unless tolerances given."""
+
+    def check(local: torch.Tensor, rank: int) -> None:
+        torch.testing.assert_close(local, expected(rank), atol=atol, rtol=rtol,
+                                   msg=lambda m: f"rank {rank}: {m}")
+
+    maybe_run_for_local_tensor(check)(actual, mesh.get_local_rank(mesh_axis))
+
+
+@contextlib.contextmanager
+def simulated_mesh(
+    shape: int | Sequence[int], *, mesh_dim_names: Sequence[str] | None = None
+) -> Iterator[DeviceMesh]:
+    """A CPU DeviceMesh of simulated ranks in this process, with real values.
+
+    Uses a `fake` process group (which moves no data by itself) under `LocalTensorMode`,
+    which holds one tensor per rank and runs collectives for real. Inside, tensors built with
+    `rank_map` differ per rank and `halo_exchange` moves real halos.
+
+    Example::
+        >>> with simulated_mesh(4) as mesh:
+        ...     x = rank_map(mesh, lambda r: torch.full((2,), float(r)))
+    """
+    # Importing fake_pg registers torch's "fake" backend (shapes only, no data moved).
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    world = math.prod(dims)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    elif dist.get_world_size() != world or dist.get_backend() != "fake":
+        raise HaloError(
+            f"simulated_mesh({dims}) needs no process group or a fake one of {world} ranks, "
+            f"found backend {dist.get_backend()!r} with {dist.get_world_size()} ranks"
+        )
+    try:
+        names = tuple(mesh_dim_names) if mesh_dim_names else None
+        mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+        with LocalTensorMode(world):
+            yield mesh
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _load(path: str, qualname: str, cache: dict[str, Any]) -> Callable[..., Any]:
+    if path not in cache:
+        spec = importlib.util.spec_from_file_location(f"_haloshard_case_{len(cache)}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        cache[path] = module
+    obj: Any = cache[path]
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _worker(rank: int, world: int, store_path: str, pg_timeout: float,
+            tasks: Any, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=pg_timeout))
+    modules: dict[str, Any] = {}
+    while (task := tasks.get()) is not None:
+        path, qualname, args = task
+        try:
+            results.put((rank, True, _load(path, qualname, modules)(*args)))
+        except BaseException as exc:  # reported to the parent, which decides
+            results.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class GlooWorld:
+    """`world_size` real CPU processes in one gloo group, reused across calls.
+
+    `run(fn, *args)` calls `fn(*args)` on every rank (fn must be a module-level function of a
+    file; it is loaded by path in the workers) and returns the per-rank results. Each
+    worker uses one thread. If any rank does not answer within `timeout` seconds, the world
+    is torn down and `TimeoutError` names the silent ranks.
+
+    Example::
+        >>> with GlooWorld(2) as world:
+        ...     world.run(dist.get_rank)  # doctest: +SKIP
+        [0, 1]
+    """
+
+    def __init__(self, world_size: int, *, timeout: float = 120.0, pg_timeout: float = 60.0):
+        self.world_size, self.timeout = world_size, timeout
+        ctx = mp.get_context("spawn")
+        fd, self._store = tempfile.mkstemp(prefix="haloshard-gloo-")
+        os.close(fd)
+        os.unlink(self._store)
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker, daemon=True,
+                        args=(r, world_size, self._store, pg_timeout, self._tasks[r],
+                              self._results))
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def outcomes(self, fn: Callable[..., Any], *args: Any,
+                 timeout: float | None = None) -> list[tuple[bool, Any]]:
+        """Per rank `(True, result)` or `(False, (error type, message, traceback))`."""
+        task = (inspect.getfile(fn), fn.__qualname__, args)
+        for q in self._tasks:
+            q.put(task)
+        got: dict[int, tuple[bool, Any]] = {}
+        try:
+            while len(got) < self.world_size:
+                rank, ok, value = self._results.get(timeout=timeout or self.timeout)
+                got[rank] = (ok, value)
+        except queue.Empty:
+            silent = sorted(set(range(self.world_size)) - set(got))
+            self.close(force=True)
+            raise TimeoutError(f"ranks {silent} did not answer {fn.__qualname__} within "
+                               f"{timeout or self.timeout}s (the world was torn down)") from None
+        return [got[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
+        """Per-rank results; raises AssertionError with every failing rank's traceback."""
+        outcomes = self.outcomes(fn, *args, timeout=timeout)
+        failed = [(r, v) for r, (ok, v) in enumerate(outcomes) if not ok]
+        if failed:
+            raise AssertionError("\n".join(f"rank {r}: {v[2]}" for r, v in failed))
+        return [v for _, v in outcomes]
+
+    def close(self, *, force: bool = False) -> None:
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=0 if force else 30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._store)
+
+    def __enter__(self) -> GlooWorld:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_WORKER_MESHES: dict[tuple[tuple[int, ...], tuple[str, ...] | None], DeviceMesh] = {}
+
+
+def worker_mesh(shape: int | Sequence[int], *,
+                mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+    """Inside a `GlooWorld` worker: a CPU mesh over the world, built once and cached."""
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    key = (dims, tuple(mesh_dim_names) if mesh_dim_names else None)
+    if key not in _WORKER_MESHES:
+        _WORKER_MESHES[key] = init_device_mesh("cpu", dims, mesh_dim_names=key[1])
+    return _WORKER_MESHES[key]

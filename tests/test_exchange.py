@@ -1,0 +1,145 @@
+"""halo_exchange against the single-device reference: forward (bitwise) and every gradient.
+
+Each case is one SPMD body run under simulated ranks (LocalTensorMode, one process) and under
+real gloo processes. Forward is a pure data move, compared with atol=rtol=0. Input gradients
+are sums of the slice's own gradient and the gradients of its halo copies; the exchange adds
+them in another order than autograd through F.pad does. Each reordered add may round once, at
+the scale of the summands, so the bound is absolute: eps(dtype) * (left + right + 1) * max|w|
+(a slice has at most left + right halo copies; w are the upstream gradients).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.device_mesh import DeviceMesh
+
+from haloshard import PAD_MODES, TRANSPORTS, HaloError, halo_exchange, shard_sizes
+from haloshard.testing import (
+    assert_close_per_rank,
+    rank_map,
+    reference_halo,
+    shard,
+    simulated_mesh,
+    single_device,
+    worker_mesh,
+)
+
+SHAPES = {3: (2, 3, 4), 5: (1, 2, 3, 3, 2)}  # the sharded dim's size is set per case
+
+
+def _data(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def case_exchange(mesh: DeviceMesh, ndim: int, dim: int, length: int, left: int, right: int,
+                  pad: str, transport: str, dtype: torch.dtype, seed: int) -> None:
+    """Forward bitwise equal to F.pad + slice; input gradient equal to autograd through it."""
+    shape = list(SHAPES[ndim])
+    shape[dim] = length
+    full = _data(tuple(shape), dtype, seed)
+    world = mesh.size()
+    x = rank_map(mesh, lambda r: shard(full, dim, world, r).clone()).requires_grad_()
+    y = halo_exchange(x, left, right, dim, mesh, pad=pad, transport=transport)
+    assert_close_per_rank(y, lambda r: reference_halo(full, left, right, dim, world, r, pad),
+                          mesh)
+
+    def weight(r: int) -> torch.Tensor:
+        return _data(tuple(reference_halo(full, left, right, dim, world, r, pad).shape), dtype,
+                     seed + 1 + r)
+
+    (y * rank_map(mesh, weight)).sum().backward()
+    with single_device():
+        ref = full.detach().clone().requires_grad_()
+        sum((reference_halo(ref, left, right, dim, world, r, pad) * weight(r)).sum()
+            for r in range(world)).backward()
+        biggest = max(float(weight(r).abs().amax()) if weight(r).numel() else 0.0 for r in range(world))
+    assert ref.grad is not None
+    atol = torch.finfo(dtype).eps * (left + right + 1) * biggest
+    assert_close_per_rank(x.grad, lambda r: shard(ref.grad, dim, world, r), mesh,
+                          atol=atol, rtol=0)
+
+
+def on_gloo(case: str, *args: object) -> None:
+    globals()[case](worker_mesh(dist.get_world_size()), *args)
+
+
+# (world, ndim, dim, length, left, right): uneven, empty, multi-hop, causal, wider than T.
+GEOMETRY = [
+    (1, 3, 2, 5, 2, 1),
+    (2, 3, 2, 7, 1, 1),
+    (3, 5, 2, 7, 2, 0),
+    (4, 3, 1, 5, 3, 2),   # T=5 on 4: (2, 2, 1, 0): empty rank, multi-hop
+    (4, 5, 2, 6, 0, 4),
+    (4, 5, 1, 3, 1, 1),   # ranks 3 is empty, rank 2 holds one slice
+]
+
+
+def _valid(length: int, left: int, right: int, pad: str) -> bool:
+    if pad == "reflect":
+        return max(left, right) < length
+    if pad == "circular":
+        return max(left, right) <= length
+    return pad == "zeros" or length > 0
+
+
+def _cases(transports: tuple[str, ...]) -> list[tuple[object, ...]]:
+    out = []
+    for world, ndim, dim, length, left, right in GEOMETRY:
+        for pad in PAD_MODES:
+            if not _valid(length, left, right, pad):
+                continue
+            for transport in transports:
+                out.append((world, ndim, dim, length, left, right, pad, transport))
+    return out
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("world", "ndim", "dim", "length", "left", "right", "pad", "transport"),
+                         _cases(("all_to_all", "allgather")))
+def test_simulated(world: int, ndim: int, dim: int, length: int, left: int, right: int,
+                   pad: str, transport: str, dtype: torch.dtype) -> None:
+    with simulated_mesh(world) as mesh:
+        case_exchange(mesh, ndim, dim, length, left, right, pad, transport, dtype, 0)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_gloo(gloo, world: int) -> None:
+    """Every geometry of this world size, every pad mode and transport, three dtypes."""
+    for w, ndim, dim, length, left, right, pad, transport in _cases(TRANSPORTS):
+        if w != world:
+            continue
+        for dtype in (torch.float64, torch.float32, torch.bfloat16):
+            gloo(world).run(on_gloo, "case_exchange", ndim, dim, length, left, right, pad,
+                            transport, dtype, 7)
+
+
+CASE = st.tuples(
+    st.integers(1, 4), st.sampled_from([(3, 1), (3, 2), (5, 1), (5, 2)]), st.integers(0, 9),
+    st.integers(0, 7), st.integers(0, 7), st.sampled_from(PAD_MODES),
+).filter(lambda c: _valid(c[2], c[3], c[4], c[5]))
+
+
+@pytest.mark.simulated
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=CASE, transport=st.sampled_from(("all_to_all", "allgather")))
+def test_simulated_random(case: tuple, transport: str) -> None:
+    world, (ndim, dim), length, left, right, pad = case
+    with simulated_mesh(world) as mesh:
+        case_exchange(mesh, ndim, dim, length, left, right, pad, transport, torch.float64, 3)
+
+
+@pytest.mark.gloo
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+          HealthCheck.function_scoped_fixture])
+@given(case=CASE, transport=st.sampled_from(TRANSPORTS))
+def test_gloo_random(gloo, case: tuple, transport: str) -> None:
+    world, (ndim, dim), length, left, right, pad = case
+    gloo(world).run(on_gloo, "case_exchange", ndim, dim, length, left, right, pad, transport,
+                    torch.float64, 5)

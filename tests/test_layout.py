@@ -1,0 +1,96 @@
+"""Pure layout arithmetic: HaloShard, shard splits, pad sources and the exchange plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from haloshard import PAD_MODES, HaloError, HaloShard, shard_sizes
+from haloshard._plan import exchange_plan
+from haloshard.testing import reference_pad
+
+
+def test_repr_str_hash_eq() -> None:
+    p = HaloShard(2, left=2, right=0, pad="zeros")
+    assert repr(p) == "HaloShard(dim=2, left=2, right=0, pad='zeros')"
+    assert str(p) == "H(2,2,0)"
+    assert str(HaloShard(1, 1, 1, "replicate")) == "H(1,1,1,replicate)"
+    assert p == HaloShard(2, 2) and hash(p) == hash(HaloShard(2, 2))
+    assert p != HaloShard(2, 2, 1)
+    with pytest.raises(AttributeError):
+        p.left = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dim": -1}, "dim must be a non-negative int, got -1"),
+        ({"dim": 2, "left": -1}, "left must be a non-negative int, got -1"),
+        ({"dim": 2, "right": 1.5}, "right must be a non-negative int, got 1.5"),
+        ({"dim": 2, "pad": "mirror"}, "pad must be one of .* got 'mirror'"),
+    ],
+)
+def test_bad_placement(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(HaloError, match=match):
+        HaloShard(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("length", "world"), [(5, 4), (7, 2), (0, 3), (16, 4), (3, 4)])
+def test_shard_sizes_match_torch_chunk(length: int, world: int) -> None:
+    chunks = torch.arange(length).chunk(world) if length else ()
+    expected = [len(c) for c in chunks] + [0] * (world - len(chunks))
+    assert list(shard_sizes(length, world)) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    length=st.integers(1, 12), world=st.integers(1, 5), left=st.integers(0, 12),
+    right=st.integers(0, 12), pad=st.sampled_from(PAD_MODES),
+)
+def test_local_sources_match_f_pad(length: int, world: int, left: int, right: int,
+                                   pad: str) -> None:
+    """Every local slice names the global slice F.pad puts there (exact, integer data)."""
+    spec = HaloShard(0, left, right, pad)
+    if (pad == "reflect" and max(left, right) >= length) or (
+            pad == "circular" and max(left, right) > length):
+        with pytest.raises(HaloError, match=f"global length {length}"):
+            spec.local_sources(length, world, 0)
+        return
+    full = torch.arange(1, length + 1, dtype=torch.float64)
+    padded = reference_pad(full, left, right, 0, pad)
+    offset = 0
+    for rank, size in enumerate(shard_sizes(length, world)):
+        sources = spec.local_sources(length, world, rank)
+        got = [0.0 if g is None else float(g + 1) for g in sources]
+        assert got == padded[offset : offset + size + left + right].tolist()
+        assert len(sources) == spec.local_length(length, world, rank)
+        offset += size
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    length=st.integers(0, 12), world=st.integers(1, 5), left=st.integers(0, 6),
+    right=st.integers(0, 6), pad=st.sampled_from(("zeros", "replicate", "circular")),
+)
+def test_plan_sends_match_receives(length: int, world: int, left: int, right: int,
+                                   pad: str) -> None:
+    """What q sends p is what p expects from q, each distinct slice once, never to itself."""
+    if (pad != "zeros" and length == 0) or (pad == "circular" and max(left, right) > length):
+        return
+    lengths = shard_sizes(length, world)
+    plans = [exchange_plan(r, lengths, left, right, pad) for r in range(world)]
+    for p in range(world):
+        assert plans[p].recv_splits[p] == 0 and plans[p].send_splits[p] == 0
+        for q in range(world):
+            assert plans[q].send_splits[p] == plans[p].recv_splits[q]
+        assert len(plans[p].left_idx) == left and len(plans[p].right_idx) == right
+        assert len(plans[p].gather_pick) == sum(plans[p].recv_splits)
+
+
+def test_plan_multi_hop() -> None:
+    # T=5 on 4 ranks (2, 2, 1, 0); rank 2 wants 3 left slices: 1 from rank 0, 2 from rank 1.
+    plan = exchange_plan(2, (2, 2, 1, 0), 3, 0, "zeros")
+    assert plan.recv_splits == (1, 2, 0, 0)
+    assert plan.left_idx == (0, 1, 2)
