@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh
 
-from haloshard import PAD_MODES, TRANSPORTS, HaloError, halo_exchange, shard_sizes
+from haloshard import PAD_MODES, TRANSPORTS, halo_exchange
 from haloshard.testing import (
     assert_close_per_rank,
     rank_map,
@@ -57,7 +57,8 @@ def case_exchange(mesh: DeviceMesh, ndim: int, dim: int, length: int, left: int,
         ref = full.detach().clone().requires_grad_()
         sum((reference_halo(ref, left, right, dim, world, r, pad) * weight(r)).sum()
             for r in range(world)).backward()
-        biggest = max(float(weight(r).abs().amax()) if weight(r).numel() else 0.0 for r in range(world))
+        biggest = max(float(weight(r).abs().amax()) if weight(r).numel() else 0.0
+                      for r in range(world))
     assert ref.grad is not None
     atol = torch.finfo(dtype).eps * (left + right + 1) * biggest
     assert_close_per_rank(x.grad, lambda r: shard(ref.grad, dim, world, r), mesh,
@@ -99,13 +100,22 @@ def _cases(transports: tuple[str, ...]) -> list[tuple[object, ...]]:
 
 
 @pytest.mark.simulated
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("world", "ndim", "dim", "length", "left", "right", "pad", "transport"),
                          _cases(("all_to_all", "allgather")))
 def test_simulated(world: int, ndim: int, dim: int, length: int, left: int, right: int,
-                   pad: str, transport: str, dtype: torch.dtype) -> None:
+                   pad: str, transport: str) -> None:
     with simulated_mesh(world) as mesh:
-        case_exchange(mesh, ndim, dim, length, left, right, pad, transport, dtype, 0)
+        case_exchange(mesh, ndim, dim, length, left, right, pad, transport, torch.float64, 0)
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pad", PAD_MODES)
+def test_simulated_low_precision(pad: str, dtype: torch.dtype) -> None:
+    """The empty-rank, multi-hop geometry in float32 and bfloat16 (gloo runs them all)."""
+    with simulated_mesh(4) as mesh:
+        case_exchange(mesh, 3, 1, 5, 3, 2 if pad != "reflect" else 1, pad, "all_to_all",
+                      dtype, 0)
 
 
 @pytest.mark.gloo
@@ -127,7 +137,7 @@ CASE = st.tuples(
 
 
 @pytest.mark.simulated
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=CASE, transport=st.sampled_from(("all_to_all", "allgather")))
 def test_simulated_random(case: tuple, transport: str) -> None:
     world, (ndim, dim), length, left, right, pad = case

@@ -89,6 +89,10 @@ def resolve_group(group: GroupLike) -> Group:
         return _from_mesh(group, 0)
     if isinstance(group, dist.ProcessGroup):
         return _from_pg(group)
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        # What dist.new_group returns on ranks it does not include.
+        raise HaloError(f"this rank ({dist.get_rank()}) is not in the group: dist.new_group "
+                        "returned GroupMember.NON_GROUP_MEMBER here")
     raise HaloError(
         "group must be a ProcessGroup, a 1-D DeviceMesh or a (DeviceMesh, mesh_axis) pair, "
         f"got {type(group).__name__}"
@@ -105,61 +109,28 @@ def gather_ints(values: torch.Tensor, group: Group) -> list[list[int]]:
 def all_to_all(
     buf: torch.Tensor, recv_splits: list[Any], send_splits: list[Any], group: Group
 ) -> torch.Tensor:
-    """Differentiable all-to-all along dim 0 with per-peer split sizes (zero: no bytes)."""
-    return funcol.all_to_all_single_autograd(buf, recv_splits, send_splits, group.funcol_group)
+    """All-to-all along dim 0 with per-peer split sizes (zero: no bytes to that peer)."""
+    return funcol.all_to_all_single(buf, recv_splits, send_splits, group.funcol_group)
 
 
 def all_gather(buf: torch.Tensor, group: Group) -> torch.Tensor:
-    """Differentiable all-gather along dim 0; backward is a reduce-scatter (deterministic)."""
-    return funcol.all_gather_single_autograd(buf, 0, group.funcol_group)
+    """All-gather along dim 0: every rank gets every rank's `buf`, in rank order."""
+    return funcol.all_gather_single(buf, 0, group.funcol_group)
 
 
-def _p2p_move(
-    buf: torch.Tensor, recv_splits: list[int], send_splits: list[int], pg: dist.ProcessGroup
-) -> torch.Tensor:
-    out = buf.new_empty((sum(recv_splits), *buf.shape[1:]))
-    if buf.shape[1:].numel() == 0:
-        return out
-    ops = [
-        dist.P2POp(dist.isend, chunk, group=pg, group_peer=peer)
-        for peer, chunk in enumerate(buf.split(send_splits))
-        if chunk.shape[0]
-    ] + [
-        dist.P2POp(dist.irecv, chunk, group=pg, group_peer=peer)
-        for peer, chunk in enumerate(out.split(recv_splits))
-        if chunk.shape[0]
-    ]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return out
-
-
-class _P2PMove(torch.autograd.Function):
-    """Forward: chunk q of `buf` (send_splits[q] slices) goes to peer q, chunk p of the output
-    comes from peer p. Backward: the same move with the splits swapped (its adjoint)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        buf: torch.Tensor,
-        recv_splits: list[int],
-        send_splits: list[int],
-        pg: dist.ProcessGroup,
-    ) -> torch.Tensor:
-        ctx.splits, ctx.pg = (recv_splits, send_splits), pg
-        return _p2p_move(buf.contiguous(), recv_splits, send_splits, pg)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        recv_splits, send_splits = ctx.splits
-        return _p2p_move(grad.contiguous(), send_splits, recv_splits, ctx.pg), None, None, None
+def reduce_scatter(buf: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum over ranks, then rank r keeps block r of dim 0 (the adjoint of `all_gather`)."""
+    return funcol.reduce_scatter_single(buf, "sum", 0, group.funcol_group)
 
 
 def p2p(
     buf: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: Group
 ) -> torch.Tensor:
-    """Differentiable neighbour move with `batch_isend_irecv`; eager, real groups only."""
+    """The all-to-all move done with `batch_isend_irecv`; eager, real groups only.
+
+    Send buffers are contiguous chunks of one buffer: gloo rejects strided sends, and a
+    failure mid-batch would leave posted ops dangling.
+    """
     if torch.compiler.is_compiling():
         raise HaloError(
             "transport='p2p' cannot run under torch.compile (batch_isend_irecv is not "
@@ -170,4 +141,30 @@ def p2p(
             "transport='p2p' needs real processes; under LocalTensorMode use 'all_to_all' "
             "or 'allgather'"
         )
-    return _P2PMove.apply(buf, recv_splits, send_splits, group.pg)
+    buf = buf.contiguous()
+    out = buf.new_empty((sum(recv_splits), *buf.shape[1:]))
+    if buf.shape[1:].numel() == 0:
+        return out
+    ops = [
+        dist.P2POp(dist.isend, chunk, group=group.pg, group_peer=peer)
+        for peer, chunk in enumerate(buf.split(send_splits))
+        if chunk.shape[0]
+    ] + [
+        dist.P2POp(dist.irecv, chunk, group=group.pg, group_peer=peer)
+        for peer, chunk in enumerate(out.split(recv_splits))
+        if chunk.shape[0]
+    ]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return out
+
+
+def all_reduce_sum(buf: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum `buf` over the group (not differentiable: for gradients after backward)."""
+    return funcol.wait_tensor(funcol.all_reduce(buf, "sum", group.funcol_group))
+
+
+def all_gather_autograd(buf: torch.Tensor, group: Group) -> torch.Tensor:
+    """Differentiable all-gather along dim 0; backward is a reduce-scatter of the gradient."""
+    return funcol.all_gather_single_autograd(buf, 0, group.funcol_group)

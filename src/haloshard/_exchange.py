@@ -10,7 +10,9 @@ adjoint: each halo slice's gradient is added into the slice it was copied from, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -132,6 +134,10 @@ def _plan_tensors(
     return tuple(torch.tensor(i, dtype=torch.int64, device=device) for i in idx)
 
 
+# Decorated once here: building the wrapper inside a compiled region breaks dynamo's guards.
+_rank_plan_tensors = maybe_run_for_local_tensor(_plan_tensors)
+
+
 @maybe_run_for_local_tensor
 def _plan_ints(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str
@@ -148,22 +154,119 @@ def _front(ndim: int, dim: int) -> tuple[str, str]:
     return f"{' '.join(names)} -> {' '.join(moved)}", f"{' '.join(moved)} -> {' '.join(names)}"
 
 
-def _move(
-    x: torch.Tensor, send_idx: torch.Tensor, gather: tuple[torch.Tensor, torch.Tensor],
-    ints: list[int], to_front: str, dim: int, transport: str, group: Group,
-) -> torch.Tensor:
-    """Carry the remote halo slices; returns them at the front, in `recv` order."""
-    world = group.size
-    recv_splits, send_splits, gather_pad = ints[:world], ints[world : 2 * world], ints[-1]
-    if transport == "allgather":
-        gather_idx, gather_pick = gather
-        mine = rearrange(x.index_select(dim, gather_idx), to_front)
-        filler = mine.new_zeros((gather_pad, *mine.shape[1:]))
-        every = _comm.all_gather(torch.cat([mine, filler]).contiguous(), group)
-        return every.index_select(0, gather_pick)
-    send = rearrange(x.index_select(dim, send_idx), to_front).contiguous()
-    move = _comm.p2p if transport == "p2p" else _comm.all_to_all
-    return move(send, recv_splits, send_splits, group)
+@dataclass(frozen=True)
+class _Route:
+    """Everything one rank's exchange needs besides the index tensors (no tensors here)."""
+
+    dim: int
+    left: int
+    right: int
+    transport: str
+    group: Group
+    recv_splits: list[Any]
+    send_splits: list[Any]
+    gather_pad: Any
+    to_front: str
+    from_front: str
+
+
+def _forward_move(x: torch.Tensor, send_idx: torch.Tensor, gather_idx: torch.Tensor,
+                  route: _Route) -> torch.Tensor:
+    """Start carrying the remote halo slices (async where the transport allows).
+
+    Returns the received buffer at the front; for `allgather`, every rank's contribution
+    (pick `gather_pick` out of it once it is needed).
+    """
+    if route.transport == "allgather":
+        mine = rearrange(x.index_select(route.dim, gather_idx), route.to_front)
+        filler = mine.new_zeros((route.gather_pad, *mine.shape[1:]))
+        return _comm.all_gather(torch.cat([mine, filler]), route.group)
+    send = rearrange(x.index_select(route.dim, send_idx), route.to_front).contiguous()
+    move = _comm.p2p if route.transport == "p2p" else _comm.all_to_all
+    return move(send, route.recv_splits, route.send_splits, route.group)
+
+
+def _backward_move(g_recv: torch.Tensor, gather_idx: torch.Tensor, gather_pick: torch.Tensor,
+                   route: _Route) -> torch.Tensor:
+    """Start the adjoint of `_forward_move`: received slices' gradients back to owners."""
+    g_recv = g_recv.contiguous()
+    if route.transport == "allgather":
+        g_every = g_recv.new_zeros(
+            (route.group.size * (gather_idx.shape[0] + route.gather_pad), *g_recv.shape[1:]))
+        g_every.index_add_(0, gather_pick, g_recv)
+        return _comm.reduce_scatter(g_every, route.group)
+    move = _comm.p2p if route.transport == "p2p" else _comm.all_to_all
+    return move(g_recv, route.send_splits, route.recv_splits, route.group)
+
+
+def _empty_like_layout(x: torch.Tensor, shape: list[Any]) -> torch.Tensor:
+    """An output buffer in `x`'s memory format, so channels_last convs stay channels_last.
+
+    Allocated channels-last-ordered and viewed back (a `new_empty`, which LocalTensorMode
+    runs per rank, rather than a factory call with a memory_format).
+    """
+    formats = {5: (torch.channels_last_3d, "n t h w c -> n c t h w"),
+               4: (torch.channels_last, "n h w c -> n c h w")}
+    if x.ndim in formats and not x.is_contiguous():
+        fmt, pattern = formats[x.ndim]
+        if x.is_contiguous(memory_format=fmt):
+            return rearrange(x.new_empty([shape[0], *shape[2:], shape[1]]), pattern)
+    return x.new_empty(shape)
+
+
+class _HaloExchange(torch.autograd.Function):
+    """Forward copies neighbours' edge slices into the halo: `(T_r) -> (left + T_r + right)`.
+    Backward adds halo gradients into the owners' edges: `(left + T_r + right) -> (T_r)`.
+
+    Both directions start the transport first and copy the interior (the bulk of the bytes)
+    while the halo is in flight; the output is written in place, with no full-size `cat`.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, send_idx: torch.Tensor, self_idx: torch.Tensor,
+        left_idx: torch.Tensor, right_idx: torch.Tensor, gather_idx: torch.Tensor,
+        gather_pick: torch.Tensor, route: _Route,
+    ) -> torch.Tensor:
+        ctx.idx, ctx.route = (send_idx, self_idx, left_idx, right_idx, gather_idx,
+                              gather_pick), route
+        dim, left, length = route.dim, route.left, x.shape[route.dim]
+        ctx.length = length
+        moved = _forward_move(x, send_idx, gather_idx, route)
+        shape = list(x.shape)
+        shape[dim] = left + length + route.right
+        out = _empty_like_layout(x, shape)
+        out.narrow(dim, left, length).copy_(x)
+        recv = moved.index_select(0, gather_pick) if route.transport == "allgather" else moved
+        own = rearrange(x.index_select(dim, self_idx), route.to_front)
+        source = torch.cat([recv, own, own.new_zeros((1, *own.shape[1:]))])
+        for start, n, idx in ((0, left, left_idx), (left + length, route.right, right_idx)):
+            out.narrow(dim, start, n).copy_(
+                rearrange(source.index_select(0, idx), route.from_front))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        send_idx, self_idx, left_idx, right_idx, gather_idx, gather_pick = ctx.idx
+        route: _Route = ctx.route
+        dim, left, length = route.dim, route.left, ctx.length
+        # Halo gradients are summed per source slice first (replicate repeats slices), so
+        # each remote slice's gradient crosses the wire once.
+        g_halo = [rearrange(grad.narrow(dim, start, n), route.to_front)
+                  for start, n in ((0, left), (left + length, route.right))]
+        n_recv = sum(route.recv_splits)
+        g_source = g_halo[0].new_zeros((n_recv + self_idx.shape[0] + 1, *g_halo[0].shape[1:]))
+        g_source.index_add_(0, left_idx, g_halo[0]).index_add_(0, right_idx, g_halo[1])
+        moved = _backward_move(g_source[:n_recv], gather_idx, gather_pick, route)
+        g_x = grad.narrow(dim, left, length).clone()  # keeps a channels_last layout
+        g_own = g_source[n_recv : n_recv + self_idx.shape[0]]
+        g_x.index_add_(dim, self_idx, rearrange(g_own, route.from_front))
+        if route.transport == "allgather":
+            g_x.index_add_(dim, gather_idx,
+                           rearrange(moved[: gather_idx.shape[0]], route.from_front))
+        else:
+            g_x.index_add_(dim, send_idx, rearrange(moved, route.from_front))
+        return (g_x, *([None] * 7))
 
 
 def halo_exchange(
@@ -219,12 +322,12 @@ def halo_exchange(
     if left == right == 0:
         return x
     to_front, from_front = _front(x.ndim, dim)
-    send_idx, self_idx, left_idx, right_idx, gather_idx, gather_pick = maybe_run_for_local_tensor(
-        _plan_tensors
-    )(grp.rank, lengths, left, right, pad, x.device)
+    send_idx, self_idx, left_idx, right_idx, gather_idx, gather_pick = _rank_plan_tensors(
+        grp.rank, lengths, left, right, pad, x.device
+    )
     ints = _plan_ints(grp.rank, lengths, left, right, pad)
-    recv = _move(x, send_idx, (gather_idx, gather_pick), ints, to_front, dim, transport, grp)
-    own = rearrange(x.index_select(dim, self_idx), to_front)
-    source = torch.cat([recv, own, own.new_zeros((1, *own.shape[1:]))])
-    halos = [rearrange(source.index_select(0, i), from_front) for i in (left_idx, right_idx)]
-    return torch.cat([halos[0], x, halos[1]], dim)
+    world = grp.size
+    route = _Route(dim, left, right, transport, grp, ints[:world], ints[world : 2 * world],
+                   ints[-1], to_front, from_front)
+    return _HaloExchange.apply(x, send_idx, self_idx, left_idx, right_idx, gather_idx,
+                               gather_pick, route)

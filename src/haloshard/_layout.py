@@ -115,6 +115,7 @@ class HaloShard(Placement):
     pad: PadMode = "zeros"
 
     def __post_init__(self) -> None:
+        Placement.__init__(self)  # the dataclass __init__ skips the C++ base: is_shard() segfaulted
         for name in ("dim", "left", "right"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -124,6 +125,9 @@ class HaloShard(Placement):
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self.dim, self.left, self.right, self.pad))
+
+    def __reduce__(self) -> tuple[type[HaloShard], tuple[int, int, int, str]]:
+        return type(self), (self.dim, self.left, self.right, self.pad)  # C++ base: no pickle
 
     def __str__(self) -> str:
         pad = "" if self.pad == "zeros" else f",{self.pad}"

@@ -99,7 +99,7 @@ def exchange_plan(
     zero = len(recv_order) + len(own)
     union = [sorted({g for w in _theirs(q, lengths, left, right, pad) for g in w})
              for q in range(world)]
-    gather_len = max((len(u) for u in union), default=0)
+    gather_len = max([0, *(len(u) for u in union)])
     slot = {g: q * gather_len + i for q, u in enumerate(union) for i, g in enumerate(u)}
     return ExchangePlan(
         send_idx=send_idx,
