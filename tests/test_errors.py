@@ -1,0 +1,120 @@
+"""Bad input: a clear HaloError on every rank, never a hang (gloo) or silent result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from haloshard import HaloError, halo_exchange
+from haloshard.testing import rank_map, shard, simulated_mesh, worker_mesh
+
+
+def _outcome(fn) -> str:
+    try:
+        fn()
+    except HaloError as exc:
+        return f"HaloError: {exc}"
+    return "ok"
+
+
+def bad_call(case: str) -> str:
+    """One mistake, usually on one rank only; every rank reports what it raised."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = worker_mesh(world)
+    full = torch.arange(2 * 3 * 5, dtype=torch.float32).reshape(2, 3, 5)
+    x = shard(full, 2, world, rank)
+    args: dict[str, object] = {"left": 1, "right": 1, "dim": 2, "pad": "zeros",
+                               "transport": None}
+    if case == "negative_left" and rank == 1:
+        args["left"] = -1
+    elif case == "dim_out_of_range" and rank == 1:
+        args["dim"] = 3
+    elif case == "unknown_pad" and rank == 1:
+        args["pad"] = "mirror"
+    elif case == "unknown_transport":
+        args["transport"] = "nccl"
+    elif case == "reflect_too_wide":
+        args.update(left=5, pad="reflect")
+    elif case == "circular_too_wide":
+        args.update(right=6, pad="circular")
+    elif case == "shape_mismatch" and rank == 1:
+        x = torch.zeros(2, 4, x.shape[2])
+    elif case == "dtype_mismatch" and rank == 1:
+        x = x.double()
+    elif case == "requires_grad_mismatch" and rank == 1:
+        x = x.clone().requires_grad_()
+    elif case == "not_a_shard_split":
+        x = full.narrow(2, 0, 4) if rank == 0 else full.narrow(2, 4, 1)
+    elif case == "global_length_wrong":
+        return _outcome(lambda: halo_exchange(x, 1, 1, 2, mesh, global_length=9))
+    return _outcome(lambda: halo_exchange(x, args["left"], args["right"], args["dim"], mesh,
+                                          pad=args["pad"], transport=args["transport"]))
+
+
+CASES = {
+    "negative_left": "left halo must be a non-negative int, got -1",
+    "dim_out_of_range": "dim 3 is out of range for a 3-D tensor",
+    "unknown_pad": "pad must be one of .* got 'mirror'",
+    "unknown_transport": "transport must be one of .* got 'nccl'",
+    "reflect_too_wide": "pad='reflect' needs halos shorter than the global length 5",
+    "circular_too_wide": "pad='circular' needs halos of at most the global length 5",
+    "shape_mismatch": r"ranks disagree on size of dim 1: \[3, 4\]",
+    "dtype_mismatch": "ranks disagree on dtype",
+    "requires_grad_mismatch": "ranks disagree on requires_grad",
+    "not_a_shard_split": r"chunk lengths along dim 2 are \[4, 1\].*as \[3, 2\]",
+    "global_length_wrong": "global_length=9 but the chunks along dim 2 add up to 5",
+}
+# Errors first seen on one rank: the others name that rank instead of repeating its message.
+ONE_RANK = {"negative_left", "dim_out_of_range", "unknown_pad"}
+
+
+@pytest.mark.gloo
+def test_every_rank_raises(gloo) -> None:
+    world = gloo(2)
+    for case, message in CASES.items():
+        outcomes = world.run(bad_call, case, timeout=60)
+        for rank, got in enumerate(outcomes):
+            assert got.startswith("HaloError: "), (case, rank, got)
+            if case in ONE_RANK and rank == 0:
+                assert "rank(s) [1] of the group rejected" in got, (case, got)
+            else:
+                assert pytest.importorskip("re").search(message, got), (case, rank, got)
+        # the group is still usable afterwards: nobody is left inside a collective
+        assert world.run(bad_call, "none", timeout=60) == ["ok", "ok"]
+
+
+def not_in_group() -> str:
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1])
+    x = torch.ones(1, 1, 2)
+    if rank == 2:  # dist.new_group left this rank out
+        return _outcome(lambda: halo_exchange(x, 1, 0, 2, pair))
+    return _outcome(lambda: halo_exchange(x, 1, 0, 2, pair))
+
+
+@pytest.mark.gloo
+def test_rank_outside_group(gloo) -> None:
+    outcomes = gloo(3).run(not_in_group, timeout=60)
+    assert outcomes[:2] == ["ok", "ok"]
+    assert "this rank (2) is not in the group: dist.new_group returned" in outcomes[2]
+
+
+@pytest.mark.simulated
+def test_bad_group_type_and_p2p_in_simulation() -> None:
+    with simulated_mesh(2) as mesh:
+        x = rank_map(mesh, lambda r: torch.ones(1, 1, 2))
+        with pytest.raises(HaloError, match=r"group must be a ProcessGroup.* got int"):
+            halo_exchange(x, 1, 0, 2, 3)  # type: ignore[arg-type]
+        with pytest.raises(HaloError, match="transport='p2p' needs real processes"):
+            halo_exchange(x, 1, 0, 2, mesh, transport="p2p")
+
+
+@pytest.mark.simulated
+def test_two_d_mesh_needs_an_axis() -> None:
+    with simulated_mesh((2, 2), mesh_dim_names=("dp", "cp")) as mesh:
+        x = rank_map(mesh, lambda r: torch.ones(1, 1, 2), mesh_axis="cp")
+        with pytest.raises(HaloError, match=r"needs an axis: pass \(mesh, mesh_axis\)"):
+            halo_exchange(x, 1, 0, 2, mesh)
+        with pytest.raises(HaloError, match="mesh axis 'tp' is not one of"):
+            halo_exchange(x, 1, 0, 2, (mesh, "tp"))
