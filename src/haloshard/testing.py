@@ -5,7 +5,8 @@ The same SPMD test body runs in two harnesses:
   tensor holds one value per simulated rank and collectives move real data (seconds);
 - `GlooWorld(n)`: n real processes on CPU with gloo, started once and reused for many calls
   (the truth). A call that does not return in time kills the world and raises, never hangs.
-`rank_map` and `assert_close_per_rank` make one body work in both.
+`rank_map` and `assert_close_per_rank` make one body work in both; `per_rank` reads every
+rank's value back as plain tensors.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from einops import rearrange
 from torch.distributed._local_tensor import (
+    LocalTensor,
     LocalTensorMode,
     maybe_disable_local_tensor_mode,
     maybe_run_for_local_tensor,
@@ -257,3 +259,49 @@ def worker_mesh(shape: int | Sequence[int], *,
     if key not in _WORKER_MESHES:
         _WORKER_MESHES[key] = init_device_mesh("cpu", dims, mesh_dim_names=key[1])
     return _WORKER_MESHES[key]
+
+
+def per_rank(tensor: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Every rank's local value of `tensor` as plain detached tensors, keyed by global rank.
+
+    A `LocalTensor` (simulated ranks; also after its `simulated_mesh` has closed) gives one
+    entry per simulated rank; a plain tensor in a real process gives this rank's entry only.
+
+    Example::
+        >>> with simulated_mesh(2) as mesh:
+        ...     x = rank_map(mesh, lambda r: torch.full((1,), float(r)))
+        >>> per_rank(x)
+        {0: tensor([0.]), 1: tensor([1.])}
+    """
+    with maybe_disable_local_tensor_mode():
+        if isinstance(tensor, LocalTensor):
+            locals_ = tensor._local_tensors
+            return {r: locals_[r].detach().clone() for r in sorted(locals_)}
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return {rank: tensor.detach().clone()}
+
+
+def sum_over_ranks(t: torch.Tensor, mesh: DeviceMesh, *, mesh_axis: int | str = 0) -> torch.Tensor:
+    """The sum of `t` over the ranks of `mesh_axis`, as a plain tensor on every rank.
+
+    For comparing per-rank partial gradients (of replicated parameters) with a single-device
+    gradient. Under `LocalTensorMode` it adds the simulated ranks' values of the axis group
+    of simulated rank 0 (a 1-D mesh: all of them).
+    """
+    from torch.distributed._local_tensor import LocalTensor
+
+    if isinstance(t, LocalTensor):
+        with maybe_disable_local_tensor_mode():
+            ranks = _axis_ranks(mesh, mesh_axis)
+            return sum(t._local_tensors[r] for r in ranks)  # type: ignore[return-value]
+    out = t.detach().clone()
+    dist.all_reduce(out, group=mesh.get_group(mesh_axis))
+    return out
+
+
+def _axis_ranks(mesh: DeviceMesh, mesh_axis: int | str) -> list[int]:
+    """Global ranks of the mesh-axis group that contains global rank 0."""
+    names = mesh.mesh_dim_names or ()
+    axis = names.index(mesh_axis) if isinstance(mesh_axis, str) else mesh_axis
+    grid = mesh.mesh.movedim(axis, -1).reshape(-1, mesh.mesh.shape[axis])
+    return [int(r) for r in grid[0].tolist()]

@@ -1,0 +1,85 @@
+"""GroupNorm with T sharded: exact statistics from per-rank (count, mean, M2) sums.
+
+float64 results match `F.group_norm` on the full tensor to 1e-10: the statistics are the same
+sums taken in another order (Chan's combination), a few ulps apart. bfloat16 inputs are
+compared with a float64 reference at 2 bf16 ulps of the output's scale (|y| < ~4): the op
+computes in float32 and rounds once to bfloat16 at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from haloshard import HaloError
+from haloshard._norms import group_norm
+from haloshard.testing import (
+    assert_close_per_rank,
+    rank_map,
+    shard,
+    simulated_mesh,
+    single_device,
+    sum_over_ranks,
+    worker_mesh,
+)
+
+# (channels, groups, T): groups of one channel, several channels, one group; T uneven/empty.
+GEOMETRY = [(6, 3, 7), (8, 2, 5), (4, 1, 9), (4, 4, 3)]
+
+
+def case_group_norm(mesh: DeviceMesh, channels: int, groups: int, length: int,
+                    dtype: torch.dtype) -> None:
+    world = mesh.size()
+    with single_device():
+        gen = torch.Generator().manual_seed(channels * 10 + length)
+        full = (torch.randn(2, channels, length, 3, 2, generator=gen, dtype=torch.float64) * 3
+                + 5)  # an offset, so naive sum-of-squares would cancel
+        weight = torch.randn(channels, generator=gen, dtype=torch.float64)
+        bias = torch.randn(channels, generator=gen, dtype=torch.float64)
+        upstream = torch.randn(full.shape, generator=gen, dtype=torch.float64)
+        ref_in = full.clone().requires_grad_()
+        ref_w, ref_b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        ref = F.group_norm(ref_in, groups, ref_w, ref_b, 1e-5)
+        (ref * upstream).sum().backward()
+    x = rank_map(mesh, lambda r: shard(full, 2, world, r).to(dtype).clone()).requires_grad_()
+    w = weight.to(dtype).requires_grad_()
+    b = bias.to(dtype).requires_grad_()
+    y = group_norm(x, groups, w, b, 1e-5, mesh)
+    (y * rank_map(mesh, lambda r: shard(upstream, 2, world, r).to(dtype))).sum().backward()
+    tol = 1e-10 if dtype == torch.float64 else 2 * 2**-8 * 4
+    assert_close_per_rank(y, lambda r: shard(ref, 2, world, r).detach().to(dtype), mesh,
+                          atol=tol, rtol=0)
+    if dtype != torch.float64:
+        return  # gradients in bfloat16 are checked by the float64 case's exactness
+    assert_close_per_rank(x.grad, lambda r: shard(ref_in.grad, 2, world, r), mesh, atol=tol)
+    for got, want in ((w.grad, ref_w.grad), (b.grad, ref_b.grad)):
+        torch.testing.assert_close(sum_over_ranks(got, mesh), want, atol=tol, rtol=0)
+
+
+def on_gloo(dtype: torch.dtype) -> None:
+    mesh = worker_mesh(dist.get_world_size())
+    for channels, groups, length in GEOMETRY:
+        case_group_norm(mesh, channels, groups, length, dtype)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gloo(gloo, world: int) -> None:
+    for dtype in (torch.float64, torch.bfloat16):
+        gloo(world).run(on_gloo, dtype)
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("channels", "groups", "length", "dtype"),
+                         [(*g, torch.float64) for g in GEOMETRY] + [(6, 3, 7, torch.bfloat16)])
+def test_simulated(channels: int, groups: int, length: int, dtype: torch.dtype) -> None:
+    with simulated_mesh(4) as mesh:
+        case_group_norm(mesh, channels, groups, length, dtype)
+
+
+def test_channels_not_divisible() -> None:
+    with simulated_mesh(2) as mesh, pytest.raises(HaloError, match="num_groups=4"):
+        group_norm(rank_map(mesh, lambda r: torch.ones(1, 6, 2)), 4, None, None, 1e-5, mesh)
