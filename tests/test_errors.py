@@ -118,3 +118,30 @@ def test_two_d_mesh_needs_an_axis() -> None:
             halo_exchange(x, 1, 0, 2, mesh)
         with pytest.raises(HaloError, match="mesh axis 'tp' is not one of"):
             halo_exchange(x, 1, 0, 2, (mesh, "tp"))
+
+
+def one_rank_raises() -> str:
+    """Rank 1 fails before its halo layer; rank 0 must not wait past the group's timeout."""
+    import time
+
+    if dist.get_rank() == 1:
+        return "raised ValueError in its own code"
+    start = time.perf_counter()
+    outcome = _outcome(lambda: halo_exchange(torch.ones(1, 1, 3), 1, 1, 2,
+                                             worker_mesh(dist.get_world_size())))
+    return f"{outcome} after {time.perf_counter() - start:.0f}s"
+
+
+@pytest.mark.gloo
+def test_failure_on_one_rank_is_bounded() -> None:
+    """The process group timeout (here 5 s) bounds the wait, then HaloError, not a hang."""
+    from haloshard.testing import GlooWorld
+
+    world = GlooWorld(2, pg_timeout=5, timeout=60)
+    try:
+        waiting, failed = world.run(one_rank_raises)
+    finally:
+        world.close(force=True)  # the group timed out: it cannot be reused
+    assert failed == "raised ValueError in its own code"
+    assert waiting.startswith("HaloError: the halo metadata exchange did not complete")
+    assert int(waiting.rsplit(" after ", 1)[1].rstrip("s")) <= 30

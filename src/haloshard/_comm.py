@@ -101,7 +101,14 @@ def resolve_group(group: GroupLike) -> Group:
 
 def gather_ints(values: torch.Tensor, group: Group) -> list[list[int]]:
     """All-gather one small int64 vector per rank; every rank gets every rank's row."""
-    flat = funcol.all_gather_single(values, 0, group.funcol_group).tolist()
+    try:
+        flat = funcol.all_gather_single(values, 0, group.funcol_group).tolist()
+    except RuntimeError as exc:  # gloo/nccl timeouts and broken groups (DistBackendError)
+        raise HaloError(
+            "the halo metadata exchange did not complete: another rank of the group did not "
+            "reach this halo layer within the process group's timeout (did it raise?), or "
+            f"the group is broken. Backend said: {str(exc).splitlines()[0]}"
+        ) from exc
     n = len(flat) // group.size
     return [flat[i * n : (i + 1) * n] for i in range(group.size)]
 
