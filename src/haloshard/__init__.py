@@ -3,9 +3,11 @@
 Importing the package initialises no process group and no device.
 """
 
+from haloshard._attention import attention, gather_along
 from haloshard._errors import HaloError
 from haloshard._exchange import TRANSPORTS, halo_exchange
 from haloshard._layout import PAD_MODES, HaloShard, shard_size_and_offset, shard_sizes
+from haloshard._norms import group_norm
 
 __all__ = [
     # layout
@@ -16,6 +18,10 @@ __all__ = [
     # exchange
     "TRANSPORTS",
     "halo_exchange",
+    # layers that need more than a halo
+    "group_norm",
+    "attention",
+    "gather_along",
     # errors
     "HaloError",
 ]
