@@ -214,6 +214,64 @@ def _empty_like_layout(x: torch.Tensor, shape: list[Any]) -> torch.Tensor:
     return x.new_empty(shape)
 
 
+@dataclass(frozen=True)
+class HaloMove:
+    """One rank's prepared exchange: the plan's index tensors and its route.
+
+    Split into steps so a consumer can do its own work while the halo is in flight:
+    `start` -> (other work) -> `halos`; backward: `start_backward` -> (other work) -> `fold`.
+    """
+
+    send_idx: torch.Tensor
+    self_idx: torch.Tensor
+    left_idx: torch.Tensor
+    right_idx: torch.Tensor
+    gather_idx: torch.Tensor
+    gather_pick: torch.Tensor
+    route: _Route
+
+    def start(self, x: torch.Tensor) -> torch.Tensor:
+        """Start moving `x`'s edge slices to the ranks that need them."""
+        return _forward_move(x, self.send_idx, self.gather_idx, self.route)
+
+    def halos(self, x: torch.Tensor, moved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the move; the left and right halos in `x`'s layout order."""
+        route = self.route
+        recv = moved.index_select(0, self.gather_pick) if route.transport == "allgather" \
+            else moved
+        own = rearrange(x.index_select(route.dim, self.self_idx), route.to_front)
+        source = torch.cat([recv, own, own.new_zeros((1, *own.shape[1:]))])
+        left, right = (rearrange(source.index_select(0, i), route.from_front)
+                       for i in (self.left_idx, self.right_idx))
+        return left, right
+
+    def start_backward(self, g_left: torch.Tensor, g_right: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum the halos' gradients per source slice and start sending them to the owners.
+
+        Summed first (replicate repeats slices), so each slice's gradient crosses once.
+        Returns (the move in flight, the gradient of this rank's own copied slices).
+        """
+        route = self.route
+        g_halo = [rearrange(g, route.to_front) for g in (g_left, g_right)]
+        n_recv, n_own = sum(route.recv_splits), self.self_idx.shape[0]
+        g_source = g_halo[0].new_zeros((n_recv + n_own + 1, *g_halo[0].shape[1:]))
+        g_source.index_add_(0, self.left_idx, g_halo[0]).index_add_(0, self.right_idx,
+                                                                     g_halo[1])
+        moved = _backward_move(g_source[:n_recv], self.gather_idx, self.gather_pick, route)
+        return moved, g_source[n_recv : n_recv + n_own]
+
+    def fold(self, g_x: torch.Tensor, moved: torch.Tensor, g_own: torch.Tensor) -> None:
+        """Wait for the halo gradients and add them, in place, into their slices of `g_x`."""
+        route = self.route
+        g_x.index_add_(route.dim, self.self_idx, rearrange(g_own, route.from_front))
+        if route.transport == "allgather":
+            received = moved[: self.gather_idx.shape[0]]
+            g_x.index_add_(route.dim, self.gather_idx, rearrange(received, route.from_front))
+        else:
+            g_x.index_add_(route.dim, self.send_idx, rearrange(moved, route.from_front))
+
+
 class _HaloExchange(torch.autograd.Function):
     """Forward copies neighbours' edge slices into the halo: `(T_r) -> (left + T_r + right)`.
     Backward adds halo gradients into the owners' edges: `(left + T_r + right) -> (T_r)`.
@@ -223,50 +281,51 @@ class _HaloExchange(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, send_idx: torch.Tensor, self_idx: torch.Tensor,
-        left_idx: torch.Tensor, right_idx: torch.Tensor, gather_idx: torch.Tensor,
-        gather_pick: torch.Tensor, route: _Route,
-    ) -> torch.Tensor:
-        ctx.idx, ctx.route = (send_idx, self_idx, left_idx, right_idx, gather_idx,
-                              gather_pick), route
+    def forward(ctx: Any, x: torch.Tensor, move: HaloMove) -> torch.Tensor:  # type: ignore[override]
+        route = move.route
         dim, left, length = route.dim, route.left, x.shape[route.dim]
-        ctx.length = length
-        moved = _forward_move(x, send_idx, gather_idx, route)
+        ctx.move, ctx.length = move, length
+        moved = move.start(x)
         shape = list(x.shape)
         shape[dim] = left + length + route.right
         out = _empty_like_layout(x, shape)
         out.narrow(dim, left, length).copy_(x)
-        recv = moved.index_select(0, gather_pick) if route.transport == "allgather" else moved
-        own = rearrange(x.index_select(dim, self_idx), route.to_front)
-        source = torch.cat([recv, own, own.new_zeros((1, *own.shape[1:]))])
-        for start, n, idx in ((0, left, left_idx), (left + length, route.right, right_idx)):
-            out.narrow(dim, start, n).copy_(
-                rearrange(source.index_select(0, idx), route.from_front))
+        halo_left, halo_right = move.halos(x, moved)
+        out.narrow(dim, 0, left).copy_(halo_left)
+        out.narrow(dim, left + length, route.right).copy_(halo_right)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        send_idx, self_idx, left_idx, right_idx, gather_idx, gather_pick = ctx.idx
-        route: _Route = ctx.route
-        dim, left, length = route.dim, route.left, ctx.length
-        # Halo gradients are summed per source slice first (replicate repeats slices), so
-        # each remote slice's gradient crosses the wire once.
-        g_halo = [rearrange(grad.narrow(dim, start, n), route.to_front)
-                  for start, n in ((0, left), (left + length, route.right))]
-        n_recv = sum(route.recv_splits)
-        g_source = g_halo[0].new_zeros((n_recv + self_idx.shape[0] + 1, *g_halo[0].shape[1:]))
-        g_source.index_add_(0, left_idx, g_halo[0]).index_add_(0, right_idx, g_halo[1])
-        moved = _backward_move(g_source[:n_recv], gather_idx, gather_pick, route)
+        move: HaloMove = ctx.move
+        dim, left, length, right = move.route.dim, move.route.left, ctx.length, move.route.right
+        moved, g_own = move.start_backward(grad.narrow(dim, 0, left),
+                                           grad.narrow(dim, left + length, right))
         g_x = grad.narrow(dim, left, length).clone()  # keeps a channels_last layout
-        g_own = g_source[n_recv : n_recv + self_idx.shape[0]]
-        g_x.index_add_(dim, self_idx, rearrange(g_own, route.from_front))
-        if route.transport == "allgather":
-            g_x.index_add_(dim, gather_idx,
-                           rearrange(moved[: gather_idx.shape[0]], route.from_front))
-        else:
-            g_x.index_add_(dim, send_idx, rearrange(moved, route.from_front))
-        return (g_x, *([None] * 7))
+        move.fold(g_x, moved, g_own)
+        return g_x, None
+
+
+def prepare_halo(
+    x: torch.Tensor, left: int, right: int, dim: int, group: GroupLike, *, pad: str = "zeros",
+    transport: str | None = None, global_length: int | None = None,
+) -> tuple[HaloMove | None, tuple[int, ...]]:
+    """Validate on every rank and plan one exchange; None when there is nothing to move.
+
+    Returns the prepared move and every rank's chunk length along `dim`.
+    """
+    grp = _comm.resolve_group(group)
+    transport = "all_to_all" if transport is None else transport
+    dim, lengths = _agree(x, left, right, dim, pad, transport, grp, global_length)
+    if left == right == 0:
+        return None, lengths
+    to_front, from_front = _front(x.ndim, dim)
+    tensors = _rank_plan_tensors(grp.rank, lengths, left, right, pad, x.device)
+    ints = _plan_ints(grp.rank, lengths, left, right, pad)
+    world = grp.size
+    route = _Route(dim, left, right, transport, grp, ints[:world], ints[world : 2 * world],
+                   ints[-1], to_front, from_front)
+    return HaloMove(*tensors, route), lengths
 
 
 def halo_exchange(
@@ -316,18 +375,6 @@ def halo_exchange(
         >>> y.shape  # on rank 2
         torch.Size([1, 8, 4, 16, 16])
     """
-    grp = _comm.resolve_group(group)
-    transport = "all_to_all" if transport is None else transport
-    dim, lengths = _agree(x, left, right, dim, pad, transport, grp, global_length)
-    if left == right == 0:
-        return x
-    to_front, from_front = _front(x.ndim, dim)
-    send_idx, self_idx, left_idx, right_idx, gather_idx, gather_pick = _rank_plan_tensors(
-        grp.rank, lengths, left, right, pad, x.device
-    )
-    ints = _plan_ints(grp.rank, lengths, left, right, pad)
-    world = grp.size
-    route = _Route(dim, left, right, transport, grp, ints[:world], ints[world : 2 * world],
-                   ints[-1], to_front, from_front)
-    return _HaloExchange.apply(x, send_idx, self_idx, left_idx, right_idx, gather_idx,
-                               gather_pick, route)
+    move, _ = prepare_halo(x, left, right, dim, group, pad=pad, transport=transport,
+                           global_length=global_length)
+    return x if move is None else _HaloExchange.apply(x, move)

@@ -1,0 +1,197 @@
+"""A convolution along a sharded dim whose halo exchange hides behind the interior compute.
+
+With the halo in flight, each rank convolves its own chunk (the interior outputs need no
+halo), then the two thin boundary windows `[left halo ++ first e-1 slices]` and
+`[last e-1 slices ++ right halo]`, where `e` is the kernel's extent along `dim`. Backward
+mirrors it: the boundary windows' input gradients go first, their halo parts start back to
+their owners, the interior's input and weight gradients are computed while they travel, and
+the halo gradients are folded in last. The arithmetic is the single-device conv's, split
+into three convs (float rounding of a blocked kernel may differ in the last bits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from haloshard._comm import GroupLike
+from haloshard._errors import HaloError
+from haloshard._exchange import HaloMove, prepare_halo
+
+_conv = torch.ops.aten.convolution.default
+_conv_backward = torch.ops.aten.convolution_backward.default
+
+
+@dataclass(frozen=True)
+class _ConvArgs:
+    dim: int
+    left: int
+    right: int
+    stride: list[int]
+    padding: list[int]
+    dilation: list[int]
+    groups: int
+    split: bool
+
+    @property
+    def reach(self) -> int:
+        """Input slices beyond one output's own: `dilation * (kernel - 1)` along `dim`."""
+        return self.left + self.right
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        zeros = [0] * len(self.stride)
+        return _conv(x, weight, None, self.stride, self.padding, self.dilation, False, zeros,
+                     self.groups)
+
+    def backward(self, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        zeros = [0] * len(self.stride)
+        g_x, g_w, _ = _conv_backward(grad, x, weight, None, self.stride, self.padding,
+                                     self.dilation, False, zeros, self.groups,
+                                     [True, True, False])
+        return g_x, g_w
+
+
+class _HaloConv(torch.autograd.Function):
+    """Forward: `(B, C, T_r, ...) -> (B, O, T_r, ...)`, this rank's chunk of the global conv.
+    Backward: input gradients of the halos go back to their owners; weight and bias
+    gradients are this rank's partial sums."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+        move: HaloMove, args: _ConvArgs,
+    ) -> torch.Tensor:
+        dim, reach, length = args.dim, args.reach, x.shape[args.dim]
+        moved = move.start(x)
+        interior = args.conv(x, weight) if args.split else None
+        halo_left, halo_right = move.halos(x, moved)
+        if args.split:
+            # A side without halo (causal: right=0) has no boundary outputs: an empty window.
+            windows = (torch.cat([halo_left, x.narrow(dim, 0, reach)], dim) if args.left
+                       else x.narrow(dim, 0, 0),
+                       torch.cat([x.narrow(dim, length - reach, reach), halo_right], dim)
+                       if args.right else x.narrow(dim, 0, 0))
+            none = interior.narrow(dim, 0, 0)
+            y = torch.cat([args.conv(windows[0], weight) if args.left else none, interior,
+                           args.conv(windows[1], weight) if args.right else none], dim)
+        else:
+            # An empty chunk would ask the conv for zero outputs, which it refuses: one zero
+            # slice more gives it one output, dropped again (and its gradient is zero).
+            windows = (torch.cat([halo_left, x, halo_right, _spare(x, dim)], dim),)
+            y = args.conv(windows[0], weight).narrow(dim, 0, length)
+        if bias is not None:
+            y = y + bias.view(1, -1, *([1] * (y.ndim - 2)))
+        ctx.save_for_backward(x, weight, *windows)
+        ctx.move, ctx.args, ctx.has_bias = move, args, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, weight, *windows = ctx.saved_tensors
+        args: _ConvArgs = ctx.args
+        g_x, g_w = (_split_backward if args.split else _whole_backward)(
+            grad, x, weight, windows, ctx.move, args)
+        g_b = grad.sum([d for d in range(grad.ndim) if d != 1]) if ctx.has_bias else None
+        return g_x, g_w, g_b, None, None
+
+
+def _spare(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """One zero slice along `dim` for an empty chunk, none otherwise (per rank)."""
+    shape = list(x.shape)
+    shape[dim] = torch.sym_max(0, 1 - shape[dim])
+    return x.new_zeros(shape)
+
+
+def _split_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    windows: list[torch.Tensor], move: HaloMove, args: _ConvArgs
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    dim, left, right, reach, length = args.dim, args.left, args.right, args.reach, x.shape[
+        args.dim]
+    sides = []  # (window gradient, its weight gradient), or None for a side without halo
+    for n, start, window in ((left, 0, windows[0]), (right, length - right, windows[1])):
+        sides.append(args.backward(grad.narrow(dim, start, n), window, weight) if n else None)
+    empty = x.narrow(dim, 0, 0)  # the zero-length halo of a side without one
+    moved, g_own = move.start_backward(
+        sides[0][0].narrow(dim, 0, left) if sides[0] else empty,
+        sides[1][0].narrow(dim, reach, right) if sides[1] else empty)
+    g_x, g_w = args.backward(grad.narrow(dim, left, length - reach), x, weight)
+    if sides[0]:
+        g_x.narrow(dim, 0, reach).add_(sides[0][0].narrow(dim, left, reach))
+        g_w = g_w + sides[0][1]
+    if sides[1]:
+        g_x.narrow(dim, length - reach, reach).add_(sides[1][0].narrow(dim, 0, reach))
+        g_w = g_w + sides[1][1]
+    move.fold(g_x, moved, g_own)
+    return g_x, g_w
+
+
+def _whole_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    windows: list[torch.Tensor], move: HaloMove, args: _ConvArgs
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    dim, left, length = args.dim, args.left, x.shape[args.dim]
+    g_win, g_w = args.backward(torch.cat([grad, _spare(grad, dim)], dim), windows[0], weight)
+    moved, g_own = move.start_backward(g_win.narrow(dim, 0, left),
+                                       g_win.narrow(dim, left + length, args.right))
+    g_x = g_win.narrow(dim, left, length).clone()
+    move.fold(g_x, moved, g_own)
+    return g_x, g_w
+
+
+def _per_dim(value: int | tuple[int, ...], n: int, name: str) -> list[int]:
+    values = [value] * n if isinstance(value, int) else list(value)
+    if len(values) != n:
+        raise HaloError(f"{name} needs {n} values (one per spatial dim), got {value!r}")
+    return values
+
+
+def halo_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, dim: int,
+    left: int, right: int, group: GroupLike, stride: int | tuple[int, ...] = 1,
+    padding: int | tuple[int, ...] = 0, dilation: int | tuple[int, ...] = 1, groups: int = 1,
+    pad: str = "zeros", transport: str | None = None, global_length: int | None = None,
+    overlap: bool = True,
+) -> torch.Tensor:
+    """`F.conv1d/2d/3d` on a `Shard(dim)` chunk, padded along `dim` by the halo.
+
+    The padding along `dim` is the halo (`left` and `right` slices, edge mode `pad`), so
+    `left + right` must equal `dilation * (kernel - 1)` along `dim` (causal: `right=0`);
+    `padding` gives the other spatial dims' padding and must be 0 along `dim`.
+
+    Args:
+        x: `(B, C, *spatial)` chunk of the global input along `dim` (a spatial dim).
+        weight, bias, stride, padding, dilation, groups: as for `F.conv3d`; stride 1
+            along `dim`.
+        left, right, pad, group, transport, global_length: as for `halo_exchange`.
+        overlap: compute the interior while the halo travels (the default). It needs every
+            chunk at least one kernel extent long; shorter chunks fall back to exchanging
+            first, for all ranks alike. False always exchanges first.
+
+    Returns:
+        This rank's `Shard(dim)` chunk of the global convolution's output.
+
+    Example::
+        >>> y = halo_conv(x, w, b, dim=2, left=2, right=0, group=mesh, padding=(0, 1, 1))
+        >>> y.shape  # x: (1, 8, T_r, 16, 16), w: (8, 8, 3, 3, 3)
+        torch.Size([1, 8, T_r, 16, 16])
+    """
+    n = weight.ndim - 2
+    args = [_per_dim(v, n, k) for v, k in ((stride, "stride"), (padding, "padding"),
+                                           (dilation, "dilation"))]
+    along = dim - 2
+    reach = args[2][along] * (weight.shape[dim] - 1)
+    if not 0 <= along < n or args[0][along] != 1 or args[1][along] != 0 or \
+            left + right != reach:
+        raise HaloError(
+            f"halo_conv along dim {dim} needs a spatial dim, stride 1 and padding 0 there and "
+            f"left + right = dilation * (kernel - 1) = {reach}; got stride {stride}, padding "
+            f"{padding}, left={left}, right={right}")
+    move, lengths = prepare_halo(x, left, right, dim, group, pad=pad, transport=transport,
+                                 global_length=global_length)
+    split = overlap and min(lengths) >= reach + 1 and move is not None
+    conv_args = _ConvArgs(dim, left, right, *args, groups, split)
+    if move is None:
+        return torch.ops.aten.convolution(x, weight, bias, *args, False, [0] * n, groups)
+    return _HaloConv.apply(x, weight, bias, move, conv_args)
