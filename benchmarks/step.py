@@ -5,7 +5,8 @@ float32 input sharded on T, a kernel-3 conv3d (128 -> 128 channels, padding 1 on
 forward + backward, and prints side by side (median of --iters):
 
 - `local`: the conv on the rank's own shard padded locally (no communication: the floor);
-- `haloshard`: `halo_exchange` (default transport) then the conv;
+- `haloshard`: `halo_conv`, the interior conv computed while the halo travels (default);
+- `exchange+conv`: `halo_exchange` (default transport) first, then the conv;
 - `naive`: all-gather T, convolve the whole tensor, keep the own slice (for contrast);
 - `compiled`: `torch.compile` (inductor) of the haloshard step, with --compile.
 
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 from haloshard import halo_exchange
 from haloshard._attention import gather_along
+from haloshard._conv import halo_conv
 from haloshard.testing import GlooWorld, shard, worker_mesh
 
 SHAPE = (1, 128, 16, 64, 64)
@@ -56,6 +58,10 @@ def rank_step(iters: int, compile_step: bool) -> dict[str, float]:
         return F.conv3d(F.pad(x, (0, 0, 0, 0, 1, 1)), w, padding=(0, 1, 1))
 
     def halo(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return halo_conv(x, w, dim=2, left=1, right=1, group=mesh, padding=(0, 1, 1),
+                         global_length=length)
+
+    def exchange_first(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.conv3d(halo_exchange(x, 1, 1, 2, mesh, global_length=length), w,
                         padding=(0, 1, 1))
 
@@ -63,7 +69,8 @@ def rank_step(iters: int, compile_step: bool) -> dict[str, float]:
         y = F.conv3d(gather_along(x, 2, mesh, global_length=length), w, padding=1)
         return shard(y, 2, world, rank)
 
-    steps = {"local": local, "haloshard": halo, "naive": naive}
+    steps = {"local": local, "haloshard": halo, "exchange+conv": exchange_first,
+             "naive": naive}
     if compile_step:
         steps["compiled"] = torch.compile(halo, fullgraph=True)
     return {name: _step_ms(fn, x, w, iters) for name, fn in steps.items()}
@@ -79,9 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     slowest = {name: max(r[name] for r in ranks) for name in ranks[0]}
     print(f"conv3d k=3 step (fwd+bwd) on {SHAPE} float32, 2 gloo ranks, 1 thread each, "
           f"median of {args.iters}")
-    print(f"{'step':<10} {'ms':>9} {'/ local':>8}")
+    print(f"{'step':<14} {'ms':>9} {'/ local':>8}")
     for name, ms in slowest.items():
-        print(f"{name:<10} {ms:>9.1f} {ms / slowest['local']:>8.3f}")
+        print(f"{name:<14} {ms:>9.1f} {ms / slowest['local']:>8.3f}")
     if "compiled" in slowest:
         print(f"compiled / eager haloshard: {slowest['compiled'] / slowest['haloshard']:.3f}")
 
