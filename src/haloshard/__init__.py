@@ -4,6 +4,7 @@ Importing the package initialises no process group and no device.
 """
 
 from haloshard._attention import attention, gather_along
+from haloshard._conv import halo_conv
 from haloshard._errors import HaloError
 from haloshard._exchange import TRANSPORTS, halo_exchange
 from haloshard._layout import PAD_MODES, HaloShard, shard_size_and_offset, shard_sizes
@@ -18,6 +19,7 @@ __all__ = [
     # exchange
     "TRANSPORTS",
     "halo_exchange",
+    "halo_conv",
     # layers that need more than a halo
     "group_norm",
     "attention",
