@@ -1,0 +1,461 @@
+"""Annotated modules and the automatic halo around their forward.
+
+`annotate` marks a module with the halo it needs (derived from a conv, pooling or upsampling
+module, or an explicit `HaloShard` for a wrapper); `attach` makes it run on sharded inputs:
+the input's `Shard(dim)` chunk is extended by its halo (`halo_exchange`), narrowed to the
+window this rank's outputs need, the module runs with its own padding along `dim` removed,
+and its output is narrowed to this rank's `Shard(dim)` chunk of the single-device output.
+
+The halo is applied by wrapping the module's `forward` (an instance attribute that
+`HaloHandle.remove` deletes again) rather than by a forward pre-hook / post-hook pair: the
+hook state must be unwound even when `forward` raises, and torch does not call forward hooks
+then. Inside that wrapper:
+- nested halo modules (a conv inside an annotated wrapper) pass straight through with their
+  own padding, because the enclosing module already received its halo;
+- for an explicit spec, the module's own padding along `dim` (`F.pad`, or `torch.cat` of
+  repeated frames around its input) is neutralised by a `TorchFunctionMode`, which catches
+  those calls however the model imported them, so a causal wrapper runs unedited.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._local_tensor import (
+    enabled_local_tensor_mode,
+    maybe_run_for_local_tensor,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+from torch.overrides import TorchFunctionMode
+
+from haloshard import _comm
+from haloshard._errors import HaloError
+from haloshard._exchange import halo_exchange
+from haloshard._layout import HaloShard, shard_size_and_offset
+from haloshard._specs import (
+    DERIVABLE,
+    STENCILS,
+    Stencil,
+    WindowPlan,
+    check_spec,
+    derive_stencil,
+    local_attrs,
+    plan_windows,
+    stencil_of_spec,
+)
+
+_ANNOTATION = "_haloshard_annotation"
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_HANDLE = "_haloshard_handle"
+# True while a halo module's forward runs: halo modules nested in it pass through.
+_INSIDE: ContextVar[bool] = ContextVar("haloshard_inside", default=False)
+_F_PAD_MODE = {"constant": "zeros", "replicate": "replicate", "reflect": "reflect",
+               "circular": "circular"}
+
+
+@dataclass(frozen=True)
+class Annotation:
+    """A module's validated halo: the explicit spec (None: derived), dim and stencil."""
+
+    spec: HaloShard | None
+    dim: int
+    stencil: Stencil
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Annotation:
+        # Immutable, and HaloShard cannot be pickled (its C-backed Placement base refuses).
+        return self
+
+
+def resolve(module: nn.Module, spec: HaloShard | Stencil | None = None, *, dim: int = 2
+            ) -> Annotation:
+    """Validate `spec` against `module` and derive its stencil along `dim`.
+
+    A module annotated earlier keeps its annotation when `spec` is None. A stencil spec
+    (`ResampleStencil(2, "linear")` for a module that calls `F.interpolate`, say) is taken
+    as given: nothing in an arbitrary module can be checked against it.
+
+    Raises:
+        HaloError: for a module whose halo cannot be derived, or a spec that does not fit.
+
+    Example::
+        >>> resolve(nn.Conv1d(2, 2, 3, padding=1)).stencil.span
+        3
+    """
+    if spec is None and isinstance(getattr(module, _ANNOTATION, None), Annotation):
+        return getattr(module, _ANNOTATION)
+    if isinstance(spec, STENCILS):
+        if isinstance(module, DERIVABLE) and derive_stencil(module, dim) != spec:
+            raise HaloError(f"spec {spec} does not match {type(module).__name__}, which needs "
+                            f"{derive_stencil(module, dim)}; pass spec=None to derive it")
+        local_attrs(module, dim)
+        return Annotation(None, dim, spec)
+    if spec is not None and not isinstance(spec, HaloShard):
+        raise HaloError(f"spec must be a HaloShard, a stencil or None, got "
+                        f"{type(spec).__name__}")
+    if spec is None:
+        stencil: Stencil = derive_stencil(module, dim)
+    else:
+        check_spec(module, spec, dim)
+        stencil = stencil_of_spec(spec)
+    local_attrs(module, dim)  # raises now, not at the first forward
+    return Annotation(spec, dim, stencil)
+
+
+def annotate(module: nn.Module, spec: HaloShard | Stencil | None = None, *, dim: int = 2
+             ) -> nn.Module:
+    """Mark `module` (in place) with the halo it needs along `dim`; returns the module.
+
+    `halo_plan(model)` later turns every annotated module into a `HaloParallel` entry.
+
+    Args:
+        module: a conv / transposed conv / pooling / upsampling module (spec derived), or
+            any module with an explicit spec, e.g. a causal wrapper that pads T itself.
+        spec: `HaloShard(dim, left, right, pad)`: the slices a length-preserving module
+            reads beyond its input chunk; a stencil from `haloshard._specs` for a module that
+            changes the length (e.g. `ResampleStencil(2, "linear")` around `F.interpolate`);
+            None derives it from the module.
+        dim: the sharded dim of the module's input.
+
+    Raises:
+        HaloError: when the spec cannot be derived or does not fit the module.
+
+    Example::
+        >>> causal = annotate(CausalConv3d(8, 8, k=3), HaloShard(2, left=2, pad="replicate"))
+        >>> halo_plan(nn.Sequential(causal))
+        {'0': HaloParallel(spec=HaloShard(dim=2, left=2, right=0, pad='replicate'), dim=2)}
+    """
+    setattr(module, _ANNOTATION, resolve(module, spec, dim=dim))
+    return module
+
+
+def annotation_of(module: nn.Module) -> Annotation | None:
+    """The module's annotation, or None."""
+    found = getattr(module, _ANNOTATION, None)
+    return found if isinstance(found, Annotation) else None
+
+
+class HaloHandle:
+    """Undoes `attach`: `remove()` restores the module's forward and padding exactly.
+
+    Example::
+        >>> handle = halo_handles(model)["encoder.conv_in"]
+        >>> handle.remove()  # the module is as it was before parallelize_module
+    """
+
+    def __init__(self, module: nn.Module, saved: dict[str, Any], forward: Any) -> None:
+        self._module: nn.Module | None = module
+        self._saved, self._forward = saved, forward
+
+    @property
+    def attached(self) -> bool:
+        return self._module is not None
+
+    def remove(self) -> None:
+        """Restore the module; a second call does nothing."""
+        module, self._module = self._module, None
+        if module is None:
+            return
+        for name, value in self._saved.items():
+            setattr(module, name, value)
+        if self._forward is None:
+            del module.forward
+        else:
+            module.forward = self._forward
+        delattr(module, _HANDLE)
+
+
+def handle_of(module: nn.Module) -> HaloHandle | None:
+    """The handle of the halo attached to `module`, or None."""
+    found = module.__dict__.get(_HANDLE)
+    return found if isinstance(found, HaloHandle) else None
+
+
+def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None) -> HaloHandle:
+    """Make `module` run on `Shard(dim)` inputs with its halo; see the module docstring.
+
+    Args:
+        module: the module, already validated into `annotation` by `resolve`.
+        annotation: its halo.
+        mesh: used for plain-tensor inputs (1-D); DTensor inputs bring their own mesh.
+
+    Raises:
+        HaloError: when a halo is already attached to the module.
+    """
+    if handle_of(module) is not None:
+        raise HaloError(f"a halo is already attached to {type(module).__name__}; applying it "
+                        "twice would exchange two halos: call its handle's remove() first")
+    new = local_attrs(module, annotation.dim)
+    saved = {name: getattr(module, name) for name in new}
+    previous = module.__dict__.get("forward")
+    for name, value in new.items():
+        setattr(module, name, value)
+    module.forward = _HaloForward(module, annotation, mesh, saved, previous)
+    handle = HaloHandle(module, saved, previous)
+    setattr(module, _HANDLE, handle)
+    return handle
+
+
+class _HaloForward:
+    """The module's forward with its halo; an object (not a closure) so that deep copies of
+    the model get a forward bound to the copy, not to the original."""
+
+    def __init__(self, module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None,
+                 saved: dict[str, Any], previous: Callable[..., Any] | None) -> None:
+        self.module, self.annotation, self.mesh = module, annotation, mesh
+        self.saved, self.previous = saved, previous
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _HaloForward:
+        # The mesh is shared, never copied: it names process groups.
+        return _HaloForward(copy.deepcopy(self.module, memo), self.annotation, self.mesh,
+                            copy.deepcopy(self.saved, memo), copy.deepcopy(self.previous, memo))
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _INSIDE.get():
+            # The enclosing halo module already supplied this module's halo.
+            with _swapped(self.module, self.saved):
+                return self.original(x, *args, **kwargs)
+        annotation = self.annotation
+        if isinstance(self.module, _TRANSPOSED) and (args or "output_size" in kwargs):
+            raise HaloError("ConvTranspose with output_size= is not supported under a halo "
+                            "(it would size each rank's local output); expected no output_size")
+        site = _site(x, annotation.dim, self.mesh)
+        plan = plan_windows(annotation.stencil, site.length, site.mesh.size(site.axis),
+                            uniform=enabled_local_tensor_mode() is not None)
+        window = _window(site, plan, annotation)
+        token = _INSIDE.set(True)
+        try:
+            with _NoPadAlong(annotation.dim, annotation.spec, window):
+                y = self.original(window, *args, **kwargs)
+        finally:
+            _INSIDE.reset(token)
+        return _output(y, site, plan, annotation)
+
+
+@contextmanager
+def _swapped(module: nn.Module, values: dict[str, Any]) -> Iterator[None]:
+    before = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(module, name, value)
+
+
+@dataclass(frozen=True)
+class _Site:
+    """Where the input lives: its local chunk, mesh axis, placements and global shape."""
+
+    local: torch.Tensor
+    mesh: DeviceMesh
+    axis: int
+    placements: tuple[Placement, ...] | None  # None: plain tensor in, plain tensor out
+    shape: tuple[int, ...]
+    dim: int
+
+    @property
+    def length(self) -> int:
+        return self.shape[self.dim]
+
+
+def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None) -> _Site:
+    if not isinstance(x, torch.Tensor) or not -x.ndim <= dim < x.ndim:
+        got = f"a {x.ndim}-D tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise HaloError(f"a halo module's first input must be a tensor with dim {dim}, got "
+                        f"{got}")
+    if isinstance(x, DTensor):
+        return _dtensor_site(x, dim)
+    if mesh is None:
+        raise HaloError("a plain-tensor input needs a mesh: apply the halo with HaloParallel "
+                        "(parallelize_module) or pass a DTensor")
+    if mesh.ndim != 1:
+        raise HaloError(f"a plain-tensor input needs a 1-D mesh, got a {mesh.ndim}-D mesh; "
+                        "pass a DTensor or the cp sub-mesh")
+    row = maybe_run_for_local_tensor(lambda t: torch.tensor([t.shape[dim]]))(x)
+    length = sum(r[0] for r in _comm.gather_ints(row, _comm.resolve_group((mesh, 0))))
+    shape = tuple(length if i == dim else int(s) for i, s in enumerate(x.shape))
+    return _Site(x, mesh, 0, None, shape, dim)
+
+
+def _dtensor_site(x: DTensor, dim: int) -> _Site:
+    axes = [a for a, p in enumerate(x.placements) if p == Shard(dim)]
+    if len(axes) != 1:
+        raise HaloError(f"the input must be sharded along dim {dim} on exactly one mesh axis, "
+                        f"got placements {tuple(x.placements)}")
+    for p in x.placements:
+        if not (isinstance(p, Replicate) or p in (Shard(0), Shard(dim))):
+            raise HaloError(f"placement {p} is not supported beside Shard({dim}): expected "
+                            "Replicate or Shard(0) (batch) on the other mesh axes")
+    return _Site(_LocalChunk.apply(x), x.device_mesh, axes[0], tuple(x.placements),
+                 tuple(x.shape), dim)
+
+
+class _LocalChunk(torch.autograd.Function):
+    """`DTensor.to_local` whose backward reuses the input's global shape and stride.
+
+    Forward: DTensor (global T) -> local chunk (T_r). Backward: chunk gradient (T_r) ->
+    DTensor with the input's layout. torch's own to_local backward recomputes the global
+    stride from each rank's gradient, which under LocalTensorMode with uneven chunks is a
+    per-rank value that DTensor's sharding propagation cannot hash.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.layout = (x.device_mesh, tuple(x.placements), x.shape, x.stride())
+        local = x.to_local()
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
+        mesh, placements, shape, stride = ctx.layout
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
+
+
+@maybe_run_for_local_tensor
+def _pick(rank: int, *columns: tuple[int, ...]) -> list[int]:
+    # A flat list: LocalTensorMode combines per-rank ints position by position.
+    return [column[rank] for column in columns]
+
+
+def _window(site: _Site, plan: WindowPlan, annotation: Annotation) -> torch.Tensor:
+    """Exchange the halo, fill beyond the global ends if needed, cut this rank's window."""
+    stencil, dim = annotation.stencil, annotation.dim
+    rank = site.mesh.get_local_rank(site.axis)
+    x = halo_exchange(site.local, plan.left, plan.right, dim, (site.mesh, site.axis),
+                      pad=stencil.pad, global_length=plan.length)
+    if stencil.fill is not None and plan.left + plan.right:
+        outside = _outside(rank, plan.length, site.mesh.size(site.axis), plan.left,
+                           plan.right, x.ndim, dim, x.device)
+        x = x.masked_fill(outside, stencil.fill)
+    start, length, zeros = _pick(rank, plan.win_start, plan.win_len, plan.win_zeros)
+    x = x.narrow(dim, start, length)
+    # Symbolic per-rank counts (LocalTensorMode) cannot be tested; padding by 0 is harmless.
+    if isinstance(zeros, torch.SymInt) or zeros:
+        x = F.pad(x, [0, 0] * (x.ndim - 1 - dim) + [0, zeros])
+    return x
+
+
+@maybe_run_for_local_tensor
+def _outside(rank: int, length: int, world: int, left: int, right: int, ndim: int, dim: int,
+             device: torch.device) -> torch.Tensor:
+    """Mask of the exchanged slices that lie beyond the global ends (max pooling: -inf)."""
+    size, offset = shard_size_and_offset(length, world, rank)
+    position = torch.arange(offset - left, offset + size + right, device=device)
+    shape = [1] * ndim
+    shape[dim] = -1
+    return ((position < 0) | (position >= length)).reshape(shape)
+
+
+def _output(y: torch.Tensor, site: _Site, plan: WindowPlan, annotation: Annotation) -> Any:
+    """Narrow to this rank's output chunk; rebuild a `Shard(dim)` DTensor for DTensor input."""
+    if not isinstance(y, torch.Tensor) or isinstance(y, DTensor):
+        raise HaloError(f"a halo module must return one plain tensor from its local forward, "
+                        f"got {type(y).__name__}")
+    dim, rank = annotation.dim, site.mesh.get_local_rank(site.axis)
+    if annotation.spec is not None:
+        sizes = tuple(n + z for n, z in zip(plan.win_len, plan.win_zeros, strict=True))
+        _check_length(rank, y.shape[dim], sizes, annotation.spec)
+    start, length = _pick(rank, plan.out_start, plan.out_len)
+    y = y.narrow(dim, start, length)
+    if site.placements is None:
+        return y
+    shape = _global_shape(y, site, dim, plan.out_length)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(y, site.mesh, site.placements, run_check=False, shape=shape,
+                              stride=stride)
+
+
+def _global_shape(y: torch.Tensor, site: _Site, dim: int, out_length: int) -> torch.Size:
+    """`out_length` along dim, the input's global batch where a mesh axis shards the batch
+    (a layer keeps the batch), and the local sizes elsewhere (nothing else is sharded)."""
+    batch_sharded = site.placements is not None and Shard(0) in site.placements
+    return torch.Size(
+        out_length if i == dim else site.shape[0] if i == 0 and batch_sharded else int(size)
+        for i, size in enumerate(y.shape)
+    )
+
+
+@maybe_run_for_local_tensor
+def _check_length(rank: int, got: int, win_len: tuple[int, ...], spec: HaloShard) -> None:
+    expected = win_len[rank] - spec.left - spec.right
+    if got != expected:
+        raise HaloError(f"a module annotated with {spec!r} returned {got} slices along dim "
+                        f"{spec.dim} from a window of {win_len[rank]}; an explicit spec is "
+                        f"for layers that keep the length: expected {expected}")
+
+
+class _NoPadAlong(TorchFunctionMode):
+    """Drops the module's own padding along `dim` inside an explicit-spec module: the halo
+    holds it. Two forms are recognised:
+    - `F.pad` with widths along `dim`: those widths become 0;
+    - `torch.cat` along `dim` of the module's input with `left` slices before it and `right`
+      after it (e.g. repeated first frames): the result is the input itself.
+
+    A dropped `F.pad` must be the spec's own (same widths, same mode), or the result would
+    differ from the single-device module at the global ends; a `torch.cat` must add exactly
+    the spec's widths (its values cannot be checked: they are taken to be `spec.pad`'s).
+    """
+
+    def __init__(self, dim: int, spec: HaloShard | None, window: torch.Tensor) -> None:
+        super().__init__()
+        self.dim, self.spec, self.window = dim, spec, window
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if self.spec is not None and func is F.pad:
+            args, kwargs = self._strip(list(args), kwargs)
+        elif self.spec is not None and func in (torch.cat, torch.concat, torch.concatenate):
+            pieces = args[0] if args else kwargs["tensors"]
+            along = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
+            if self._is_halo_cat(list(pieces), along):
+                return self.window
+        return func(*args, **kwargs)
+
+    def _is_halo_cat(self, pieces: list[torch.Tensor], along: int) -> bool:
+        ids = [i for i, t in enumerate(pieces) if t is self.window]
+        if len(ids) != 1 or along % self.window.ndim != self.dim:
+            return False
+        before = sum(int(t.shape[self.dim]) for t in pieces[: ids[0]])
+        after = sum(int(t.shape[self.dim]) for t in pieces[ids[0] + 1 :])
+        assert self.spec is not None
+        if (before, after) != (self.spec.left, self.spec.right):
+            raise HaloError(f"the module concatenates {before} slices before and {after} after "
+                            f"its input along dim {self.dim} but is annotated with "
+                            f"{self.spec!r}; expected the spec's widths")
+        return True
+
+    def _strip(self, args: list[Any], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...],
+                                                                        dict[str, Any]]:
+        x, widths = args[0], list(args[1] if len(args) > 1 else kwargs.pop("pad"))
+        mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
+        value = args[3] if len(args) > 3 else kwargs.get("value")
+        k = 2 * (x.ndim - 1 - self.dim)
+        if k + 1 < len(widths) and (widths[k] or widths[k + 1]):
+            assert self.spec is not None
+            own = (widths[k], widths[k + 1]), _F_PAD_MODE.get(mode), value or 0
+            if own != ((self.spec.left, self.spec.right), self.spec.pad, 0):
+                raise HaloError(
+                    f"the module pads dim {self.dim} by {tuple(own[0])} with mode={mode!r} "
+                    f"(value={value}) but is annotated with {self.spec!r}; expected the "
+                    "spec to match its own padding")
+            widths[k] = widths[k + 1] = 0
+        return (x, widths, *args[2:]), kwargs

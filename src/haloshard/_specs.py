@@ -1,0 +1,409 @@
+"""Halo specs: how far along `dim` each layer reaches, derived from the module or given.
+
+A layer is described along the sharded dim by a *stencil*: its global output length and, for
+any range of outputs, the range of (padded) global input slices that produces exactly those
+outputs when the layer runs with no padding of its own along `dim`. That is DistDL's model:
+first fix which outputs each rank owns (the `Shard(dim)` split of the output length), then
+derive the input range each rank needs. Halos follow from those ranges, so stride, dilation,
+uneven and empty shards and upsampling are exact without rebalancing anything.
+
+Everything here is pure arithmetic on Python ints; nothing mutates a module or a tensor.
+`_hooks.py` applies the results.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Protocol
+
+from torch import nn
+
+from haloshard._errors import HaloError
+from haloshard._layout import HaloShard, PadMode, shard_size_and_offset, shard_sizes
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_MAX_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
+_AVG_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
+_SPATIAL = {cls: n for n, group in enumerate(
+    zip(_CONVS, _TRANSPOSED, _MAX_POOLS, _AVG_POOLS, strict=True), start=1) for cls in group}
+# Modules whose halo haloshard derives; anything else needs an explicit HaloShard spec.
+DERIVABLE: tuple[type[nn.Module], ...] = (*_CONVS, *_TRANSPOSED, *_MAX_POOLS, *_AVG_POOLS,
+                                           nn.Upsample)
+
+
+class Stencil(Protocol):
+    """What the hooks need to know about a layer along the sharded dim."""
+
+    pad: PadMode
+    fill: float | None
+    min_input: int
+
+    def out_length(self, length: int) -> int: ...
+
+    def window(self, start: int, stop: int) -> tuple[int, int, int]: ...
+
+
+@dataclass(frozen=True)
+class ConvStencil:
+    """Output o reads padded inputs `[o * stride - pad_left, ... + span)` (conv, pooling).
+
+    `span` is the dilated kernel extent `dilation * (kernel - 1) + 1`. `fill` replaces `pad`
+    beyond the global ends when set (max pooling ignores its padding: -inf).
+
+    Example::
+        >>> s = ConvStencil(span=3, stride=2, pad_left=1, pad_right=1)
+        >>> s.out_length(7), s.window(2, 4)
+        (4, (3, 8, 0))
+    """
+
+    span: int
+    stride: int = 1
+    pad_left: int = 0
+    pad_right: int = 0
+    pad: PadMode = "zeros"
+    fill: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.span < 1 or self.stride < 1 or min(self.pad_left, self.pad_right) < 0:
+            raise HaloError(f"a stencil needs span >= 1, stride >= 1 and padding >= 0, got "
+                            f"span={self.span}, stride={self.stride}, "
+                            f"padding=({self.pad_left}, {self.pad_right})")
+
+    @property
+    def min_input(self) -> int:
+        return self.span
+
+    def out_length(self, length: int) -> int:
+        """Global output length along dim (the layer's own formula)."""
+        padded = length + self.pad_left + self.pad_right
+        return (padded - self.span) // self.stride + 1 if padded >= self.span else 0
+
+    def window(self, start: int, stop: int) -> tuple[int, int, int]:
+        """Padded input range `[i0, i1)` for outputs `[start, stop)`; outputs begin at 0."""
+        first = start * self.stride - self.pad_left
+        return first, (stop - 1) * self.stride - self.pad_left + self.span, 0
+
+
+@dataclass(frozen=True)
+class TransposeStencil:
+    """Transposed conv: input i adds into outputs `i * stride - padding + j * dilation`.
+
+    Run without padding on inputs `[i0, i1)`, the layer yields outputs starting at global
+    `i0 * stride - padding`; inputs beyond the global ends are zeros (they add nothing).
+
+    Example::
+        >>> TransposeStencil(kernel=4, stride=2, padding=1).window(0, 4)
+        (-1, 3, 3)
+    """
+
+    kernel: int
+    stride: int = 1
+    dilation: int = 1
+    padding: int = 0
+    output_padding: int = 0
+    pad: PadMode = "zeros"
+    fill: float | None = None
+    min_input: int = 1
+
+    def out_length(self, length: int) -> int:
+        reach = self.dilation * (self.kernel - 1)
+        return max(0, (length - 1) * self.stride - 2 * self.padding + reach
+                   + self.output_padding + 1) if length else 0
+
+    def window(self, start: int, stop: int) -> tuple[int, int, int]:
+        reach, s, p = self.dilation * (self.kernel - 1), self.stride, self.padding
+        # Every contributor of every output, and enough inputs that the local output covers
+        # [start, stop) even where a stride wider than the kernel leaves gaps.
+        i0 = min(-((reach - start - p) // s), (start + p) // s)
+        i1 = max((stop - 1 + p) // s + 1, -((reach - (stop - 1 + p)) // s) + 1)
+        return i0, i1, start + p - i0 * s
+
+
+@dataclass(frozen=True)
+class ResampleStencil:
+    """`F.interpolate` by an integer factor along dim, `nearest` or `linear`.
+
+    Linear (align_corners=False) clamps source positions at the global ends, which is what a
+    replicate-padded halo of one slice gives, so its windows carry one extra slice per side.
+
+    Example::
+        >>> ResampleStencil(2, "linear").window(0, 4)
+        (-1, 3, 2)
+    """
+
+    factor: int
+    mode: str = "nearest"
+    fill: float | None = None
+    min_input: int = 1
+
+    @property
+    def pad(self) -> PadMode:
+        return "replicate" if self.mode == "linear" else "zeros"
+
+    def out_length(self, length: int) -> int:
+        return length * self.factor
+
+    def window(self, start: int, stop: int) -> tuple[int, int, int]:
+        f = self.factor
+        if self.mode != "linear":
+            i0 = start // f
+            return i0, (stop - 1) // f + 1, start - i0 * f
+        # floor((o + 0.5) / f - 0.5) in integers
+        i0 = (2 * start + 1 - f) // (2 * f)
+        return i0, (2 * (stop - 1) + 1 - f) // (2 * f) + 2, start - i0 * f
+
+
+STENCILS = (ConvStencil, TransposeStencil, ResampleStencil)
+
+
+def stencil_of_spec(spec: HaloShard) -> ConvStencil:
+    """The stencil of a length-preserving layer that reads `left` / `right` extra slices.
+
+    Example::
+        >>> stencil_of_spec(HaloShard(2, left=2, pad="replicate"))
+        ConvStencil(span=3, stride=1, pad_left=2, pad_right=0, pad='replicate', fill=None)
+    """
+    return ConvStencil(span=spec.left + spec.right + 1, pad_left=spec.left,
+                       pad_right=spec.right, pad=spec.pad)
+
+
+def spatial_index(module: nn.Module, dim: int) -> int:
+    """Which of the module's kernel dims `dim` is, for batched `(B, C, *spatial)` inputs.
+
+    Raises:
+        HaloError: when `dim` is not one of the module's spatial dims.
+
+    Example::
+        >>> spatial_index(nn.Conv3d(1, 1, 3), 2)
+        0
+    """
+    n = _spatial_dims(module)
+    if not 2 <= dim < 2 + n:
+        raise HaloError(f"dim {dim} is not a spatial dim of {type(module).__name__}, whose "
+                        f"batched input is (B, C, {n} spatial dims): expected 2 <= dim < {2 + n}")
+    return dim - 2
+
+
+def _spatial_dims(module: nn.Module) -> int:
+    for cls, n in _SPATIAL.items():
+        if isinstance(module, cls):
+            return n
+    return 3  # nn.Upsample: up to 3 spatial dims; the input's rank decides at run time
+
+
+def _along(value: int | tuple[int, ...] | list[int], index: int) -> int:
+    if isinstance(value, int):
+        return value
+    return int(value[index]) if len(value) > 1 else int(value[0])
+
+
+def _conv(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, si: int) -> ConvStencil:
+    k, d = module.kernel_size[si], module.dilation[si]
+    rev = module._reversed_padding_repeated_twice
+    # torch's own record of the (left, right) padding per dim, 'same' included.
+    n = len(module.kernel_size)
+    left, right = rev[2 * (n - 1 - si)], rev[2 * (n - 1 - si) + 1]
+    return ConvStencil(span=d * (k - 1) + 1, stride=module.stride[si], pad_left=left,
+                       pad_right=right, pad=module.padding_mode)
+
+
+def _transposed(module: nn.ConvTranspose1d, si: int) -> TransposeStencil:
+    if module.padding_mode != "zeros":
+        raise HaloError(f"{type(module).__name__} supports only padding_mode='zeros', got "
+                        f"{module.padding_mode!r}")
+    return TransposeStencil(kernel=module.kernel_size[si], stride=module.stride[si],
+                            dilation=module.dilation[si], padding=_along(module.padding, si),
+                            output_padding=_along(module.output_padding, si))
+
+
+def _pool(module: nn.Module, si: int) -> ConvStencil:
+    name = type(module).__name__
+    if module.ceil_mode:
+        raise HaloError(f"{name} with ceil_mode=True is not supported (its last window is "
+                        "partial at the global end only); expected ceil_mode=False")
+    k, p = _along(module.kernel_size, si), _along(module.padding, si)
+    s = _along(module.stride, si) if module.stride not in (None, (), []) else k
+    if isinstance(module, _MAX_POOLS):
+        if module.return_indices:
+            raise HaloError(f"{name} with return_indices=True is not supported: the indices "
+                            "would be shard-local; expected return_indices=False")
+        d = _along(module.dilation, si)
+        return ConvStencil(span=d * (k - 1) + 1, stride=s, pad_left=p, pad_right=p,
+                           fill=-math.inf)
+    if not module.count_include_pad and p:
+        raise HaloError(f"{name} with count_include_pad=False and padding {p} along the "
+                        "sharded dim is not supported: its edge divisor is global; expected "
+                        "count_include_pad=True or padding 0")
+    return ConvStencil(span=k, stride=s, pad_left=p, pad_right=p)
+
+
+def _upsample(module: nn.Upsample, si: int) -> ResampleStencil:
+    factor = module.scale_factor
+    f = factor[si] if isinstance(factor, tuple) else factor
+    if module.size is not None or f is None or float(f) != int(f) or int(f) < 1:
+        raise HaloError(f"Upsample along the sharded dim needs an integer scale_factor >= 1 "
+                        f"(not size=), got scale_factor={factor!r}, size={module.size!r}")
+    if module.mode not in ("nearest", "nearest-exact", "linear", "bilinear", "trilinear"):
+        raise HaloError(f"Upsample mode {module.mode!r} is not supported along the sharded "
+                        "dim; expected nearest, nearest-exact, linear, bilinear or trilinear")
+    linear = module.mode in ("linear", "bilinear", "trilinear")
+    if linear and module.align_corners:
+        raise HaloError("Upsample with align_corners=True is not supported: its source "
+                        "positions depend on the global length; expected align_corners=False")
+    return ResampleStencil(int(f), "linear" if linear else "nearest")
+
+
+def derive_stencil(module: nn.Module, dim: int) -> Stencil:
+    """The stencil of a conv, transposed conv, pooling or upsampling module along `dim`.
+
+    Raises:
+        HaloError: for any other module, or a configuration that cannot be exact.
+
+    Example::
+        >>> derive_stencil(nn.Conv3d(4, 4, (3, 3, 3), padding=(1, 1, 1)), 2)
+        ConvStencil(span=3, stride=1, pad_left=1, pad_right=1, pad='zeros', fill=None)
+    """
+    if not isinstance(module, DERIVABLE):
+        names = ", ".join(cls.__name__ for cls in DERIVABLE)
+        raise HaloError(f"cannot derive a halo for {type(module).__name__}; expected one of "
+                        f"{names}, or pass an explicit HaloShard spec")
+    si = spatial_index(module, dim)
+    if isinstance(module, _CONVS):
+        return _conv(module, si)
+    if isinstance(module, _TRANSPOSED):
+        return _transposed(module, si)
+    if isinstance(module, nn.Upsample):
+        return _upsample(module, si)
+    return _pool(module, si)
+
+
+def local_attrs(module: nn.Module, dim: int) -> dict[str, object]:
+    """The attribute values that make `module` add no padding of its own along `dim`.
+
+    The halo supplies that padding instead. Other dims keep theirs.
+
+    Example::
+        >>> local_attrs(nn.Conv2d(1, 1, 3, padding=1), 2)
+        {'padding': (0, 1), '_reversed_padding_repeated_twice': [1, 1, 0, 0]}
+    """
+    if isinstance(module, nn.Upsample) or not isinstance(module, DERIVABLE):
+        return {}
+    si, n = spatial_index(module, dim), _spatial_dims(module)
+    if isinstance(module, _CONVS):
+        return _conv_attrs(module, si, n)
+    attrs: dict[str, object] = {"padding": _with(module.padding, si, n, 0)}
+    if isinstance(module, _TRANSPOSED):
+        attrs["output_padding"] = _with(module.output_padding, si, n, 0)
+    return attrs
+
+
+def _with(value: int | tuple[int, ...], index: int, n: int, new: int) -> tuple[int, ...]:
+    full = [value] * n if isinstance(value, int) else list(value) * (n if len(value) == 1 else 1)
+    full[index] = new
+    return tuple(full)
+
+
+def _conv_attrs(module: nn.Conv1d, si: int, n: int) -> dict[str, object]:
+    rev = list(module._reversed_padding_repeated_twice)
+    rev[2 * (n - 1 - si)] = rev[2 * (n - 1 - si) + 1] = 0
+    pairs = [(rev[2 * (n - 1 - i)], rev[2 * (n - 1 - i) + 1]) for i in range(n)]
+    uneven = [i + 2 for i, (lo, hi) in enumerate(pairs) if lo != hi]
+    if uneven and module.padding_mode == "zeros":
+        raise HaloError(f"padding='same' with an even dilated kernel on dim(s) {uneven} (not "
+                        f"the sharded dim {si + 2}) cannot be expressed without F.pad; expected "
+                        "an odd kernel there or padding_mode other than 'zeros'")
+    return {"padding": tuple(lo for lo, _ in pairs), "_reversed_padding_repeated_twice": rev}
+
+
+def check_spec(module: nn.Module, spec: HaloShard, dim: int) -> None:
+    """Validate an explicit spec against the module it annotates (once, at annotation).
+
+    A derivable module's spec must equal its derived halo; for any other module the spec
+    must reach at least as far as the widest unpadded kernel inside it.
+
+    Raises:
+        HaloError: naming the spec and what the module needs.
+    """
+    if spec.dim != dim:
+        raise HaloError(f"spec {spec!r} shards dim {spec.dim} but dim={dim} was given; "
+                        "expected the same dim")
+    if isinstance(module, DERIVABLE):
+        derived = derive_stencil(module, dim)
+        if derived != stencil_of_spec(spec):
+            raise HaloError(f"spec {spec!r} does not match {type(module).__name__}, which "
+                            f"needs {derived}; pass spec=None to derive it")
+        return
+    for name, inner in module.named_modules():
+        if isinstance(inner, _CONVS) and _spatial_dims(inner) > dim - 2 >= 0:
+            need = _conv(inner, dim - 2)
+            missing = need.span - 1 - need.pad_left - need.pad_right
+            if spec.left + spec.right < missing:
+                raise HaloError(
+                    f"spec {spec!r} is too small for {name or 'the module'}: its kernel spans "
+                    f"{need.span} slices along dim {dim} with padding ({need.pad_left}, "
+                    f"{need.pad_right}), so left + right must be >= {missing}, got "
+                    f"{spec.left + spec.right}")
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """One layer on one world: halos to exchange and every rank's input and output window.
+
+    `win_start[r]` / `win_len[r]` index rank r's exchanged tensor (its chunk plus `left`
+    and `right` halo slices), followed by `win_zeros[r]` zero slices; `out_start[r]` /
+    `out_len[r]` index the layer's local output. A rank that owns no outputs runs the layer
+    on a `min_input` window and keeps none of it, so every rank stays in the same
+    collectives and autograd graph.
+    """
+
+    length: int
+    out_length: int
+    left: int
+    right: int
+    win_start: tuple[int, ...]
+    win_len: tuple[int, ...]
+    win_zeros: tuple[int, ...]
+    out_start: tuple[int, ...]
+    out_len: tuple[int, ...]
+
+
+@lru_cache(maxsize=4096)
+def plan_windows(stencil: Stencil, length: int, world: int, *, uniform: bool = False
+                 ) -> WindowPlan:
+    """Plan one layer: `Shard` split of the outputs, then the inputs each rank needs.
+
+    With `uniform=True` every rank's window has the same length (extended to the right by
+    zeros; the extra outputs are dropped): under `LocalTensorMode` some ops (max pooling) cannot
+    take per-rank symbolic lengths.
+
+    Raises:
+        HaloError: when the layer has no output for this global length.
+
+    Example::
+        >>> p = plan_windows(ConvStencil(span=3, stride=2, pad_left=1, pad_right=1), 7, 2)
+        >>> p.out_length, p.left, p.right, p.win_start, p.win_len
+        (4, 1, 1, (0, 0), (5, 5))
+    """
+    out_length = stencil.out_length(length)
+    if out_length <= 0:
+        raise HaloError(f"{stencil} has no output for global length {length} along the "
+                        "sharded dim; the single-device module would fail too")
+    chunks = [shard_size_and_offset(length, world, r) for r in range(world)]
+    outs = [shard_size_and_offset(out_length, world, r) for r in range(world)]
+    wins = {r: stencil.window(o, o + n) for r, (n, o) in enumerate(outs) if n}
+    left = max([0, *(chunks[r][1] - i0 for r, (i0, _, _) in wins.items())])
+    right = max([0, *(i1 - sum(chunks[r]) for r, (_, i1, _) in wins.items())])
+    starts = tuple(wins[r][0] - chunks[r][1] + left if r in wins else 0 for r in range(world))
+    lens = [wins[r][1] - wins[r][0] if r in wins else stencil.min_input for r in range(world)]
+    if uniform:
+        lens = [max(lens)] * world
+    # Slices a window lacks (an idle rank's, or a uniform window's tail) are zeros appended
+    # locally: their outputs are dropped, and widening the halo could break reflect/circular.
+    held = [min(n, chunks[r][0] + left + right - starts[r]) for r, n in enumerate(lens)]
+    return WindowPlan(length, out_length, left, right, starts, tuple(held),
+                      tuple(n - h for n, h in zip(lens, held, strict=True)),
+                      tuple(wins[r][2] if r in wins else 0 for r in range(world)),
+                      shard_sizes(out_length, world))

@@ -1,0 +1,167 @@
+"""`HaloParallel` and plans: halos for an existing model through `parallelize_module`.
+
+`HaloParallel` is the `ParallelStyle` that attaches a halo to one module; `halo_plan` builds
+`{fqn: HaloParallel(...)}` from annotations (and, optionally, every conv); `reduce_grads`
+sums the parameters' per-rank partial gradients over the cp axis for users without DDP/FSDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from haloshard import _comm
+from haloshard._errors import HaloError
+from haloshard._hooks import HaloHandle, annotation_of, attach, handle_of, resolve
+from haloshard._layout import HaloShard
+from haloshard._specs import DERIVABLE, STENCILS, Stencil, spatial_index
+
+_PLAIN_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                nn.ConvTranspose3d)
+
+
+class HaloParallel(ParallelStyle):
+    """Run a module on `Shard(dim)` inputs, its halo exchanged first: the context-parallel conv.
+
+    The input is a DTensor sharded along `dim` on one mesh axis (the other axes `Replicate`
+    or `Shard(0)`), or a plain local chunk on the 1-D mesh given to `parallelize_module`. The
+    output is the `Shard(dim)` chunk of the single-device output: a DTensor on the input's
+    mesh with the exact global shape (a plain tensor for plain input). Parameters stay as
+    they are; their gradients are per-rank partial sums (see `reduce_grads`).
+
+    Args:
+        spec: None derives the halo from a conv / transposed conv / pooling / upsampling
+            module (or uses the module's annotation); a `HaloShard` applies that halo to any
+            length-preserving module, e.g. a causal wrapper that pads T with `F.pad` itself;
+            a stencil (`haloshard._specs`) describes a module that changes the length.
+        dim: the sharded dim of the module's input.
+
+    Raises:
+        HaloError: in `_apply`, for a module whose halo cannot be derived, a spec that does
+            not fit it, or a module that already has a halo.
+
+    Example::
+        >>> plan = {"encoder.conv_in": HaloParallel(), "encoder.*.conv*": HaloParallel()}
+        >>> model = parallelize_module(model, mesh["cp"], plan)
+        >>> y = model(distribute_tensor(x, mesh["cp"], [Shard(2)]))  # x: (1, 3, 17, 32, 32)
+        >>> y.placements, y.shape[2]
+        ((Shard(dim=2),), 17)
+    """
+
+    def __init__(self, spec: HaloShard | Stencil | None = None, *, dim: int = 2) -> None:
+        super().__init__()
+        if spec is not None and not isinstance(spec, (HaloShard, *STENCILS)):
+            raise HaloError(f"spec must be a HaloShard, a stencil or None, got "
+                            f"{type(spec).__name__}")
+        if isinstance(spec, HaloShard) and spec.dim != dim:
+            raise HaloError(f"spec {spec!r} shards dim {spec.dim} but dim={dim}; expected "
+                            "the same dim")
+        self.spec, self.dim = spec, dim
+
+    def __repr__(self) -> str:
+        return f"HaloParallel(spec={self.spec!r}, dim={self.dim})"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        attach(module, resolve(module, self.spec, dim=self.dim), device_mesh)
+        return module
+
+
+def _has_kernel_along(module: nn.Module, dim: int) -> bool:
+    try:
+        spatial_index(module, dim)
+    except HaloError:
+        return False
+    return True
+
+
+def halo_plan(
+    model: nn.Module,
+    *,
+    dim: int = 2,
+    include_convs: bool = False,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> dict[str, HaloParallel]:
+    """The `parallelize_module` plan for every annotated module of `model`.
+
+    With `include_convs=True` it also covers every conv and transposed conv with a kernel
+    dim at `dim` (kernel 1 included: DTensor's own conv would mislabel a `Shard(dim)`
+    output as `Replicate`). Modules inside an annotated module are left to it. Each entry
+    is validated here, once.
+
+    Args:
+        model: the model.
+        dim: the sharded dim (annotations keep their own).
+        include_convs: also plan the convs that carry no annotation.
+        module_filter_fn: `fn(module, fqn) -> bool`; False leaves the module out.
+
+    Returns:
+        `{fqn: HaloParallel(spec, dim=...)}`, in `model.named_modules()` order.
+
+    Example::
+        >>> halo_plan(nn.Sequential(nn.Conv3d(3, 8, 3, padding=1)), include_convs=True)
+        {'0': HaloParallel(spec=None, dim=2)}
+    """
+    plan: dict[str, HaloParallel] = {}
+    covered: list[str] = []
+    for fqn, module in model.named_modules():
+        if any(fqn.startswith(f"{outer}.") or outer == "" for outer in covered):
+            continue
+        note = annotation_of(module)
+        wanted = note is not None or (include_convs and isinstance(module, _PLAIN_CONVS)
+                                      and _has_kernel_along(module, dim))
+        if not wanted or (module_filter_fn is not None and not module_filter_fn(module, fqn)):
+            continue
+        spec, at = (note.spec, note.dim) if note is not None else (None, dim)
+        resolve(module, spec, dim=at)
+        plan[fqn] = HaloParallel(spec, dim=at)
+        if note is not None and not isinstance(module, DERIVABLE):
+            covered.append(fqn)
+    return plan
+
+
+def halo_handles(model: nn.Module) -> dict[str, HaloHandle]:
+    """The handles of every halo attached in `model`, by fqn; `remove()` undoes one.
+
+    Example::
+        >>> for handle in halo_handles(model).values():
+        ...     handle.remove()
+    """
+    found = ((fqn, handle_of(m)) for fqn, m in model.named_modules())
+    return {fqn: h for fqn, h in found if h is not None}
+
+
+def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | None = None
+                 ) -> None:
+    """Sum every parameter's gradient over the cp ranks, in place (one all-reduce per dtype).
+
+    Under a halo, each rank's parameter gradient is the partial sum over its own outputs;
+    the single-device gradient is their sum. DDP or FSDP over the cp ranks does this already.
+    A missing gradient counts as zeros, so every rank issues the same collectives.
+
+    Args:
+        model: the model after `backward()`.
+        mesh: the cp mesh (1-D), or a larger mesh with `mesh_axis` naming the cp axis.
+        mesh_axis: the cp axis of an N-D mesh.
+
+    Example::
+        >>> loss.backward()
+        >>> reduce_grads(model, mesh, mesh_axis="cp")
+    """
+    group = _comm.resolve_group(mesh if mesh_axis is None else (mesh, mesh_axis))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if isinstance(p, DTensor):
+            raise HaloError("reduce_grads expects plain parameters; DTensor parameters "
+                            "(FSDP) are reduced by their own wrapper")
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for dtype in sorted({p.dtype for p in params}, key=str):
+        grads = [p.grad for p in params if p.dtype == dtype and p.grad is not None]
+        flat = _comm.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]), group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
