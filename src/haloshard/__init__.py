@@ -7,8 +7,11 @@ from haloshard._attention import attention, gather_along
 from haloshard._conv import halo_conv
 from haloshard._errors import HaloError
 from haloshard._exchange import TRANSPORTS, halo_exchange
+from haloshard._hooks import HaloHandle, annotate
 from haloshard._layout import PAD_MODES, HaloShard, shard_size_and_offset, shard_sizes
 from haloshard._norms import group_norm
+from haloshard._specs import ConvStencil, ResampleStencil, TransposeStencil
+from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
 
 __all__ = [
     # layout
@@ -20,6 +23,16 @@ __all__ = [
     "TRANSPORTS",
     "halo_exchange",
     "halo_conv",
+    # modules and plans
+    "HaloParallel",
+    "annotate",
+    "halo_plan",
+    "halo_handles",
+    "HaloHandle",
+    "reduce_grads",
+    "ConvStencil",
+    "TransposeStencil",
+    "ResampleStencil",
     # layers that need more than a halo
     "group_norm",
     "attention",
