@@ -96,3 +96,42 @@ def test_bad_halo_for_kernel() -> None:
         x = rank_map(mesh, lambda r: torch.ones(1, 2, 4))
         with pytest.raises(HaloError, match=r"left \+ right = dilation \* \(kernel - 1\) = 2"):
             halo_conv(x, torch.ones(2, 2, 3), dim=2, left=1, right=0, group=mesh)
+
+
+def case_styles(mesh: DeviceMesh) -> None:
+    """HaloParallel runs a stride-1 conv as halo_conv by default, or exchange-first with
+    overlap=False; both give the single-device conv (float64, 1e-12 as above)."""
+    import copy
+
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from haloshard import HaloParallel
+
+    world = mesh.size()
+    with single_device():
+        gen = torch.Generator().manual_seed(5)
+        conv = torch.nn.Conv3d(4, 6, (3, 3, 3), padding=(1, 1, 1), dtype=torch.float64)
+        full = torch.randn(2, 4, 11, 5, 4, generator=gen, dtype=torch.float64)
+        ref = conv(full)
+    for overlap in (True, False):
+        model = parallelize_module(copy.deepcopy(conv), mesh, HaloParallel(overlap=overlap))
+        y = model(distribute_tensor(full, mesh, [Shard(2)]))
+        assert isinstance(y, DTensor) and y.placements == (Shard(2),)
+        assert_close_per_rank(y.to_local(), lambda r: shard(ref.detach(), 2, world, r), mesh,
+                              **TOL)
+
+
+def on_gloo_styles() -> None:
+    case_styles(worker_mesh(dist.get_world_size()))
+
+
+@pytest.mark.gloo
+def test_styles_gloo(gloo) -> None:
+    gloo(3).run(on_gloo_styles)
+
+
+@pytest.mark.simulated
+def test_styles_simulated() -> None:
+    with simulated_mesh(4) as mesh:
+        case_styles(mesh)

@@ -40,12 +40,15 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm
+from haloshard._conv import halo_conv
 from haloshard._errors import HaloError
 from haloshard._exchange import halo_exchange
 from haloshard._layout import HaloShard, shard_size_and_offset
 from haloshard._specs import (
+    _CONVS,
     DERIVABLE,
     STENCILS,
+    ConvStencil,
     Stencil,
     WindowPlan,
     check_spec,
@@ -181,13 +184,16 @@ def handle_of(module: nn.Module) -> HaloHandle | None:
     return found if isinstance(found, HaloHandle) else None
 
 
-def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None) -> HaloHandle:
+def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *,
+           overlap: bool = True) -> HaloHandle:
     """Make `module` run on `Shard(dim)` inputs with its halo; see the module docstring.
 
     Args:
         module: the module, already validated into `annotation` by `resolve`.
         annotation: its halo.
         mesh: used for plain-tensor inputs (1-D); DTensor inputs bring their own mesh.
+        overlap: run stride-1 convs that keep the length as `halo_conv`, which computes the
+            interior while the halo is in flight.
 
     Raises:
         HaloError: when a halo is already attached to the module.
@@ -200,7 +206,7 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None) -
     previous = module.__dict__.get("forward")
     for name, value in new.items():
         setattr(module, name, value)
-    module.forward = _HaloForward(module, annotation, mesh, saved, previous)
+    module.forward = _HaloForward(module, annotation, mesh, saved, previous, overlap)
     handle = HaloHandle(module, saved, previous)
     setattr(module, _HANDLE, handle)
     return handle
@@ -211,14 +217,16 @@ class _HaloForward:
     the model get a forward bound to the copy, not to the original."""
 
     def __init__(self, module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None,
-                 saved: dict[str, Any], previous: Callable[..., Any] | None) -> None:
+                 saved: dict[str, Any], previous: Callable[..., Any] | None,
+                 overlap: bool = True) -> None:
         self.module, self.annotation, self.mesh = module, annotation, mesh
-        self.saved, self.previous = saved, previous
+        self.saved, self.previous, self.overlap = saved, previous, overlap
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _HaloForward:
         # The mesh is shared, never copied: it names process groups.
         return _HaloForward(copy.deepcopy(self.module, memo), self.annotation, self.mesh,
-                            copy.deepcopy(self.saved, memo), copy.deepcopy(self.previous, memo))
+                            copy.deepcopy(self.saved, memo), copy.deepcopy(self.previous, memo),
+                            self.overlap)
 
     def original(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
@@ -237,6 +245,9 @@ class _HaloForward:
         site = _site(x, annotation.dim, self.mesh)
         plan = plan_windows(annotation.stencil, site.length, site.mesh.size(site.axis),
                             uniform=enabled_local_tensor_mode() is not None)
+        if self.overlap and _overlappable(self.module, annotation, plan):
+            return _output(_overlapped_conv(self.module, site, plan, annotation), site, plan,
+                           annotation)
         window = _window(site, plan, annotation)
         token = _INSIDE.set(True)
         try:
@@ -245,6 +256,29 @@ class _HaloForward:
         finally:
             _INSIDE.reset(token)
         return _output(y, site, plan, annotation)
+
+
+def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan) -> bool:
+    """A derived, stride-1, length-keeping conv whose other dims need no F.pad: its window
+    is exactly the halo exchange's output, so `halo_conv` can run it."""
+    if not isinstance(module, _CONVS) or annotation.spec is not None or isinstance(
+            module.padding, str):
+        return False
+    si, stencil = annotation.dim - 2, annotation.stencil
+    zero_other = all(p == 0 for i, p in enumerate(module.padding) if i != si)
+    return (isinstance(stencil, ConvStencil) and stencil.stride == 1 and stencil.fill is None
+            and plan.out_length == plan.length and plan.left + plan.right == stencil.span - 1
+            and (module.padding_mode == "zeros" or zero_other))
+
+
+def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
+                     annotation: Annotation) -> torch.Tensor:
+    """The conv as `halo_conv`: its interior is computed while the halo travels."""
+    return halo_conv(site.local, module.weight, module.bias, dim=annotation.dim,
+                     left=plan.left, right=plan.right, group=(site.mesh, site.axis),
+                     stride=module.stride, padding=module.padding, dilation=module.dilation,
+                     groups=module.groups, pad=annotation.stencil.pad,
+                     global_length=plan.length)
 
 
 @contextmanager

@@ -40,6 +40,8 @@ class HaloParallel(ParallelStyle):
             length-preserving module, e.g. a causal wrapper that pads T with `F.pad` itself;
             a stencil (`haloshard._specs`) describes a module that changes the length.
         dim: the sharded dim of the module's input.
+        overlap: run a stride-1 conv that keeps the length as `halo_conv` (its interior is
+            computed while the halo travels); False exchanges first, then runs the module.
 
     Raises:
         HaloError: in `_apply`, for a module whose halo cannot be derived, a spec that does
@@ -53,7 +55,8 @@ class HaloParallel(ParallelStyle):
         ((Shard(dim=2),), 17)
     """
 
-    def __init__(self, spec: HaloShard | Stencil | None = None, *, dim: int = 2) -> None:
+    def __init__(self, spec: HaloShard | Stencil | None = None, *, dim: int = 2,
+                 overlap: bool = True) -> None:
         super().__init__()
         if spec is not None and not isinstance(spec, (HaloShard, *STENCILS)):
             raise HaloError(f"spec must be a HaloShard, a stencil or None, got "
@@ -61,13 +64,15 @@ class HaloParallel(ParallelStyle):
         if isinstance(spec, HaloShard) and spec.dim != dim:
             raise HaloError(f"spec {spec!r} shards dim {spec.dim} but dim={dim}; expected "
                             "the same dim")
-        self.spec, self.dim = spec, dim
+        self.spec, self.dim, self.overlap = spec, dim, overlap
 
     def __repr__(self) -> str:
-        return f"HaloParallel(spec={self.spec!r}, dim={self.dim})"
+        extra = "" if self.overlap else ", overlap=False"
+        return f"HaloParallel(spec={self.spec!r}, dim={self.dim}{extra})"
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        attach(module, resolve(module, self.spec, dim=self.dim), device_mesh)
+        attach(module, resolve(module, self.spec, dim=self.dim), device_mesh,
+               overlap=self.overlap)
         return module
 
 
