@@ -23,7 +23,6 @@ import copy
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +61,28 @@ _ANNOTATION = "_haloshard_annotation"
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _HANDLE = "_haloshard_handle"
 # True while a halo module's forward runs: halo modules nested in it pass through.
-_INSIDE: ContextVar[bool] = ContextVar("haloshard_inside", default=False)
+class _Flag:
+    """A ContextVar-like flag that torch.compile can trace (dynamo cannot trace ContextVar).
+
+    Not thread-local: one forward runs at a time per process (LocalTensorMode simulates
+    ranks in one thread).
+    """
+
+    def __init__(self) -> None:
+        self.value = False
+
+    def get(self) -> bool:
+        return self.value
+
+    def set(self, value: bool) -> bool:
+        previous, self.value = self.value, value
+        return previous
+
+    def reset(self, token: bool) -> None:
+        self.value = token
+
+
+_INSIDE = _Flag()
 _F_PAD_MODE = {"constant": "zeros", "replicate": "replicate", "reflect": "reflect",
                "circular": "circular"}
 
