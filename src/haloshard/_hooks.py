@@ -151,13 +151,17 @@ def annotate(module: nn.Module, spec: HaloShard | Stencil | None = None, *, dim:
         dim: the sharded dim of the module's input.
 
     Raises:
-        HaloError: when the spec cannot be derived or does not fit the module.
+        HaloError: when the spec cannot be derived or does not fit the module, or when a
+            halo is attached to it (its padding along `dim` is the halo's while attached).
 
     Example::
         >>> causal = annotate(CausalConv3d(8, 8, k=3), HaloShard(2, left=2, pad="replicate"))
         >>> halo_plan(nn.Sequential(causal))
         {'0': HaloParallel(spec=HaloShard(dim=2, left=2, right=0, pad='replicate'), dim=2)}
     """
+    if handle_of(module) is not None:
+        raise HaloError(f"{type(module).__name__} has a halo attached: annotate it before "
+                        "parallelize_module, or remove() its handle first")
     setattr(module, _ANNOTATION, resolve(module, spec, dim=dim))
     return module
 
@@ -428,7 +432,11 @@ def _output(y: torch.Tensor, site: _Site, plan: WindowPlan, annotation: Annotati
         sizes = tuple(n + z for n, z in zip(plan.win_len, plan.win_zeros, strict=True))
         _check_length(rank, y.shape[dim], sizes, annotation.spec)
     start, length = _pick(rank, plan.out_start, plan.out_len)
-    y = y.narrow(dim, start, length)
+    # Keep the module's own output when it is already the chunk: a narrow() view would make
+    # an in-place op on it drop FSDP2's pre-backward hook.
+    if not (isinstance(start, int) and isinstance(length, int) and start == 0
+            and length == y.shape[dim]):
+        y = y.narrow(dim, start, length)
     if site.placements is None:
         return y
     shape = _global_shape(y, site, dim, plan.out_length)
