@@ -10,6 +10,7 @@ from haloshard._exchange import TRANSPORTS, halo_exchange
 from haloshard._hooks import HaloHandle, annotate
 from haloshard._layout import PAD_MODES, HaloShard, shard_size_and_offset, shard_sizes
 from haloshard._norms import group_norm
+from haloshard._redistribute import redistribute
 from haloshard._specs import ConvStencil, ResampleStencil, TransposeStencil
 from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
 
@@ -23,6 +24,8 @@ __all__ = [
     "TRANSPORTS",
     "halo_exchange",
     "halo_conv",
+    # DTensors
+    "redistribute",
     # modules and plans
     "HaloParallel",
     "annotate",

@@ -1,0 +1,368 @@
+"""`redistribute`: `DTensor.redistribute` that also moves data into and out of `HaloShard`.
+
+torch's redistribute is a fixed chain that knows nothing of custom placements: asked for a
+`HaloShard` it relabels the tensor and moves no data. This module routes every step that
+touches a `HaloShard` through haloshard's own exchange and hands the rest to torch:
+
+- `Shard(d) -> HaloShard(d, l, r)`: `halo_exchange` of the neighbours' edge slices;
+- `Replicate -> HaloShard`: local slicing and padding, no communication;
+- `HaloShard -> Shard(d)`: the halos are dropped, no communication;
+- `HaloShard -> Replicate`: drop halos, then torch's all-gather;
+- `HaloShard -> HaloShard` (other widths): narrowing needs nothing, widening fetches only
+  the slices the rank does not hold yet.
+
+Gradient convention: the gradient of a `HaloShard` DTensor carries the same placement and
+its local tensor is d(loss)/d(local tensor), halo slices included; the halo gradients are
+not yet added into the slices they copy. The function that made the `HaloShard` adds them
+into their owners in its backward (the adjoint of its copy), so every gradient crosses the
+wire once. Hence `HaloShard -> Shard(d)` backward only pads the gradient with zero halos.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from itertools import accumulate
+from typing import Any
+
+import torch
+from torch.distributed._local_tensor import maybe_run_for_local_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from haloshard import _comm
+from haloshard._comm import Group
+from haloshard._errors import HaloError
+from haloshard._exchange import halo_exchange
+from haloshard._layout import HaloShard, check_pad_fits, shard_sizes
+
+# torch's own method, captured before `_dtensor_ops` routes HaloShard requests through us.
+torch_redistribute = DTensor.redistribute
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of `shape` (what a fresh global tensor of that shape would have)."""
+    return tuple(reversed(list(accumulate([1, *reversed(shape[1:])], lambda a, b: a * b))))
+
+
+def halo_axis(placements: Sequence[Placement]) -> int | None:
+    """The mesh axis carrying a `HaloShard`, or None; raises for more than one."""
+    axes = [i for i, p in enumerate(placements) if isinstance(p, HaloShard)]
+    if len(axes) > 1:
+        raise HaloError(f"at most one HaloShard per placement list, got {tuple(placements)}")
+    return axes[0] if axes else None
+
+
+def without_halo(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """`placements` with `HaloShard(d, ...)` replaced by `Shard(d)` (same split, no halos)."""
+    return tuple(Shard(p.dim) if isinstance(p, HaloShard) else p for p in placements)
+
+
+def wrap(local: torch.Tensor, like: DTensor | tuple[DeviceMesh, Sequence[int]],
+         placements: Sequence[Placement]) -> DTensor:
+    """`DTensor.from_local` with the global shape of `like`, differentiably (see `_Wrap`)."""
+    mesh, shape = (like.device_mesh, like.shape) if isinstance(like, DTensor) else like
+    return _Wrap.apply(local, mesh, tuple(placements), tuple(shape))
+
+
+class _Wrap(torch.autograd.Function):
+    """Forward: local `(.., L_r, ..)` -> DTensor of global shape `(.., T, ..)`, `placements`.
+    Backward: DTensor gradient -> its local tensor in this layout `(.., L_r, ..)`."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
+        shape: tuple[int, ...],
+    ) -> DTensor:
+        ctx.mesh, ctx.placements = mesh, placements
+        # from_local's own autograd rejects custom placements; here grad mode is off.
+        return DTensor.from_local(local, mesh, placements, shape=torch.Size(shape),
+                                  stride=contiguous_stride(shape))
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return local_grad(grad, ctx.mesh, ctx.placements), None, None, None
+
+
+def unwrap(dt: DTensor, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+    """`dt.to_local()`, differentiably, with the gradient rebuilt on `dt`'s global shape.
+
+    torch's `to_local` backward recomputes the global stride from the local gradient, which
+    yields per-rank symbolic ints for uneven shards under `LocalTensorMode` and then fails.
+    """
+    return _Unwrap.apply(dt, tuple(grad_placements or dt.placements))
+
+
+class _Unwrap(torch.autograd.Function):
+    """Forward: DTensor of global shape `(.., T, ..)` -> its local tensor `(.., L_r, ..)`.
+    Backward: local gradient -> DTensor of the global shape in `grad_placements`."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, dt: DTensor, grad_placements: tuple[Placement, ...]
+    ) -> torch.Tensor:
+        ctx.meta = (dt.device_mesh, grad_placements, dt.shape, dt.stride())
+        local = dt.to_local()
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor | None, None]:  # type: ignore[override]
+        mesh, placements, shape, stride = ctx.meta
+        return DTensor.from_local(grad, mesh, placements, shape=shape, stride=stride), None
+
+
+def local_grad(grad: Any, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:
+    """The local gradient in `placements`' layout, whatever placement `grad` arrived in.
+
+    A gradient in another placement is a true gradient of the global tensor: its share of
+    the halo copies is zero, so it is laid out as the chunk with zero halos.
+    """
+    if not isinstance(grad, DTensor):
+        raise HaloError(f"expected a DTensor gradient for placements {placements}, "
+                        f"got {type(grad).__name__}")
+    if tuple(grad.placements) == placements:
+        return grad.to_local()
+    axis = halo_axis(placements)
+    if halo_axis(grad.placements) is not None:
+        raise HaloError(f"gradient placed {tuple(grad.placements)} cannot be laid out as "
+                        f"{placements}")
+    core = torch_redistribute(grad, mesh, without_halo(placements)).to_local()
+    if axis is None:
+        return core
+    p = placements[axis]
+    assert isinstance(p, HaloShard)
+    pads = [0, 0] * (core.ndim - p.dim - 1) + [p.left, p.right]
+    return torch.nn.functional.pad(core, pads)
+
+
+def _normalize(placements: Sequence[Placement], mesh: DeviceMesh) -> tuple[Placement, ...]:
+    placements = tuple(placements)
+    if len(placements) != mesh.ndim or not all(isinstance(p, Placement) for p in placements):
+        raise HaloError(f"expected {mesh.ndim} placements for a {mesh.ndim}-D mesh, got "
+                        f"{placements}")
+    return placements
+
+
+def check_placements(shape: Sequence[int], placements: Sequence[Placement]) -> None:
+    """Raise `HaloError` when a `HaloShard` in `placements` cannot describe `shape`."""
+    axis = halo_axis(placements)
+    if axis is None:
+        return
+    p = placements[axis]
+    assert isinstance(p, HaloShard)
+    if p.dim >= len(shape):
+        raise HaloError(f"{p!r} shards dim {p.dim} of a {len(shape)}-D tensor")
+    for i, other in enumerate(placements):
+        if i != axis and isinstance(other, Shard) and other.dim == p.dim:
+            raise HaloError(f"{p!r} on mesh axis {axis} and {other!r} on mesh axis {i} split "
+                            f"the same dim {p.dim}; a halo dim may be split by one axis only")
+    check_pad_fits(shape[p.dim], p.left, p.right, p.pad)
+
+
+def redistribute(dt: DTensor, placements: Sequence[Placement], *,
+                 transport: str | None = None) -> DTensor:
+    """`DTensor.redistribute` that also accepts `HaloShard` placements, differentiably.
+
+    Steps touching a `HaloShard` move only the halo slices the layout needs (see the module
+    docstring); every other step is torch's. The result's `shape` is the global shape and
+    its `to_local()` is the rank's chunk with its halos.
+
+    Args:
+        dt: the DTensor to move.
+        placements: one placement per mesh axis; at most one `HaloShard`, on a tensor dim
+            no other mesh axis splits.
+        transport: `halo_exchange`'s transport for `Shard -> HaloShard` (default all_to_all).
+
+    Returns:
+        A DTensor on `dt`'s mesh with `placements`.
+
+    Raises:
+        HaloError: for a bad placement list or a halo the pad mode cannot fill.
+
+    Example::
+        >>> # (dp, cp) mesh of 2 x 2, global x: (4, 8, 7)
+        >>> y = redistribute(x, (Shard(0), HaloShard(2, left=2)))  # x: (Shard(0), Shard(2))
+        >>> y.shape, y.to_local().shape  # on cp rank 0: chunk 4 + halo 2
+        (torch.Size([4, 8, 7]), torch.Size([2, 8, 6]))
+    """
+    mesh = dt.device_mesh
+    src, dst = tuple(dt.placements), _normalize(placements, mesh)
+    check_placements(dt.shape, src)
+    check_placements(dt.shape, dst)
+    a, b = halo_axis(src), halo_axis(dst)
+    if src == dst or (a is None and b is None):
+        return dt if src == dst else torch_redistribute(dt, mesh, dst)
+    same_axis = a is not None and a == b and without_halo(src) == without_halo(dst)
+    if same_axis and src[a].pad == dst[b].pad:  # type: ignore[index,attr-defined]
+        return _rehalo(dt, a, dst[b], transport)  # type: ignore[arg-type]
+    if a is not None:
+        dt = _drop_halos(dt, a)
+    if b is None:
+        return torch_redistribute(dt, mesh, dst)
+    return _to_halo(dt, b, dst, transport)
+
+
+def _to_halo(dt: DTensor, axis: int, dst: tuple[Placement, ...],
+             transport: str | None) -> DTensor:
+    """From a DTensor without halos to `dst`: torch moves the other axes first."""
+    p = dst[axis]
+    assert isinstance(p, HaloShard)
+    mid = list(without_halo(dst))
+    if isinstance(dt.placements[axis], Replicate):
+        mid[axis] = Replicate()  # every rank already holds its halos: slice, no traffic
+    if tuple(dt.placements) != tuple(mid):
+        dt = torch_redistribute(dt, dt.device_mesh, mid)
+    if isinstance(mid[axis], Replicate):
+        return _slice_halos(dt, axis, dst)
+    return _add_halos(dt, axis, dst, transport)
+
+
+def _add_halos(dt: DTensor, axis: int, dst: tuple[Placement, ...],
+               transport: str | None) -> DTensor:
+    """`Shard(d) -> HaloShard(d, l, r)` on one axis: the neighbour exchange.
+
+    Forward: `(.., T_r, ..) -> (.., l + T_r + r, ..)`; backward (halo_exchange's): halo
+    gradients are added into their owners' edges.
+    """
+    p = dst[axis]
+    assert isinstance(p, HaloShard)
+    y = halo_exchange(unwrap(dt), p.left, p.right, p.dim, (dt.device_mesh, axis),
+                      pad=p.pad, transport=transport, global_length=dt.shape[p.dim])
+    return wrap(y, dt, dst)
+
+
+@lru_cache(maxsize=1024)
+def _sources(rank: int, p: HaloShard, length: int, world: int) -> tuple[list[int], list[bool]]:
+    sources = p.local_sources(length, world, rank)
+    return [0 if g is None else g for g in sources], [g is not None for g in sources]
+
+
+def _slice_halos(dt: DTensor, axis: int, dst: tuple[Placement, ...]) -> DTensor:
+    """`Replicate -> HaloShard(d, l, r)` on one axis: every rank slices its own part.
+
+    Forward: `(.., T, ..) -> (.., l + T_r + r, ..)`, no communication. Backward: each rank's
+    gradient is its share of the global one, so the input gradient is `Partial()` there.
+    """
+    p, mesh = dst[axis], dt.device_mesh
+    assert isinstance(p, HaloShard)
+    grad_placements = [Partial() if i == axis else q for i, q in enumerate(dt.placements)]
+    local = unwrap(dt, grad_placements)
+
+    def index(rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        idx, keep = _sources(rank, p, dt.shape[p.dim], mesh.size(axis))
+        shape = [len(keep) if i == p.dim else 1 for i in range(dt.ndim)]
+        return (torch.tensor(idx, dtype=torch.int64, device=device),
+                torch.tensor(keep, dtype=torch.bool, device=device).reshape(shape))
+
+    if dt.shape[p.dim] == 0:  # all halo, all zeros; cat keeps the (empty) autograd edge
+        shape = [p.left + p.right if i == p.dim else n for i, n in enumerate(local.shape)]
+        return wrap(torch.cat([local, local.new_zeros(shape)], p.dim), dt, dst)
+    idx, keep = maybe_run_for_local_tensor(index)(mesh.get_local_rank(axis), local.device)
+    taken = local.index_select(p.dim, idx)
+    # where(), not a multiply: a zero halo must stay zero next to an inf or nan.
+    return wrap(torch.where(keep, taken, taken.new_zeros(())), dt, dst)
+
+
+def _drop_halos(dt: DTensor, axis: int) -> DTensor:
+    """`HaloShard(d, l, r) -> Shard(d)` on one axis: keep the chunk, no communication.
+
+    Forward: `(.., l + T_r + r, ..) -> (.., T_r, ..)`; backward: `(.., T_r, ..) -> (.., l +
+    T_r + r, ..)` with zero halos (the halos' producer adds halo gradients into owners).
+    """
+    p = dt.placements[axis]
+    assert isinstance(p, HaloShard)
+    local = unwrap(dt)
+    core = local.narrow(p.dim, p.left, local.shape[p.dim] - p.left - p.right)
+    return wrap(core, dt, without_halo(dt.placements))
+
+
+def _held(p: HaloShard, lengths: tuple[int, ...], rank: int) -> dict[int, int]:
+    """Global slice -> local index, for the slices `rank` holds in layout `p` (chunk wins)."""
+    sources = p.local_sources(sum(lengths), len(lengths), rank)
+    chunk = range(p.left, p.left + lengths[rank])
+    order = [j for j in range(len(sources)) if j not in chunk] + list(chunk)
+    return {g: j for j in order if (g := sources[j]) is not None}
+
+
+def _missing(old: HaloShard, new: HaloShard, lengths: tuple[int, ...],
+             rank: int) -> list[list[int]]:
+    """Per owner rank, the sorted global slices `rank` needs for `new` but lacks in `old`."""
+    held = _held(old, lengths, rank)
+    ends = tuple(accumulate(lengths))
+    need: list[set[int]] = [set() for _ in lengths]
+    for g in new.local_sources(sum(lengths), len(lengths), rank):
+        if g is not None and g not in held:
+            need[next(q for q, end in enumerate(ends) if g < end)].add(g)
+    return [sorted(n) for n in need]
+
+
+@lru_cache(maxsize=1024)
+def _rehalo_plan(rank: int, lengths: tuple[int, ...], old: HaloShard,
+                 new: HaloShard) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(send_idx, take_idx, recv_splits, send_splits) for widening `old` to `new`.
+
+    take_idx indexes `old local ++ received slices ++ one zero slice` along the dim.
+    """
+    start = sum(lengths[:rank])
+    mine = _missing(old, new, lengths, rank)
+    theirs = [_missing(old, new, lengths, q)[rank] for q in range(len(lengths))]
+    send_idx = [old.left + g - start for wanted in theirs for g in wanted]
+    held, width = _held(old, lengths, rank), old.local_length(sum(lengths), len(lengths), rank)
+    position = {g: width + i for i, g in enumerate(g for w in mine for g in w)}
+    zero = width + len(position)
+    take = [zero if g is None else held.get(g, position.get(g, zero))
+            for g in new.local_sources(sum(lengths), len(lengths), rank)]
+    return send_idx, take, [len(w) for w in mine], [len(w) for w in theirs]
+
+
+class _Fetch(torch.autograd.Function):
+    """Forward: chunk q of `buf` (dim 0, send_splits[q] slices) goes to rank q.
+    Backward: the same all-to-all with the splits swapped (its adjoint)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, buf: torch.Tensor, recv_splits: list[Any], send_splits: list[Any],
+        group: Group,
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (recv_splits, send_splits), group
+        return _comm.all_to_all(buf.contiguous(), recv_splits, send_splits, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        recv_splits, send_splits = ctx.splits
+        moved = _comm.all_to_all(grad.contiguous(), send_splits, recv_splits, ctx.group)
+        return moved, None, None, None
+
+
+def _rehalo(dt: DTensor, axis: int, new: HaloShard, transport: str | None) -> DTensor:
+    """`HaloShard(d, l, r) -> HaloShard(d, l', r')`: only slices no rank holds yet move.
+
+    Forward: `(.., l + T_r + r, ..) -> (.., l' + T_r + r', ..)`; backward: gradients of
+    fetched slices go back to their owners' chunks, the rest stay local.
+    """
+    old, mesh = dt.placements[axis], dt.device_mesh
+    assert isinstance(old, HaloShard)
+    dst = tuple(new if i == axis else q for i, q in enumerate(dt.placements))
+    local, d = unwrap(dt), old.dim
+    if new.left <= old.left and new.right <= old.right:
+        size = local.shape[d] - old.left - old.right + new.left + new.right
+        return wrap(local.narrow(d, old.left - new.left, size), dt, dst)
+    group = _comm.resolve_group((mesh, axis))
+    lengths = shard_sizes(dt.shape[d], group.size)
+    plan = maybe_run_for_local_tensor(
+        lambda r: [torch.tensor(i, dtype=torch.int64, device=local.device)
+                   for i in _rehalo_plan(r, lengths, old, new)[:2]])(group.rank)
+    splits = maybe_run_for_local_tensor(
+        lambda r: [*_rehalo_plan(r, lengths, old, new)[2], *_rehalo_plan(r, lengths, old, new)[3]]
+    )(group.rank)
+    send = local.index_select(d, plan[0]).movedim(d, 0)
+    recv = _Fetch.apply(send, splits[: group.size], splits[group.size :], group).movedim(0, d)
+    zero = local.new_zeros([1 if i == d else s for i, s in enumerate(local.shape)])
+    source = torch.cat([local, recv, zero], d)
+    return wrap(source.index_select(d, plan[1]), dt, dst)
+
+
+# Importing this module guards every HaloShard DTensor (see `_dtensor_ops`): the install is
+# a few dict entries and two attribute wraps, no process group, no device. Last, because
+# `_dtensor_ops` imports the names above.
+from haloshard import _dtensor_ops  # noqa: E402, F401
