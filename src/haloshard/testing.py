@@ -16,6 +16,7 @@ import importlib.util
 import inspect
 import math
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -207,6 +208,7 @@ class GlooWorld:
                  timeout: float | None = None) -> list[tuple[bool, Any]]:
         """Per rank `(True, result)` or `(False, (error type, message, traceback))`."""
         task = (inspect.getfile(fn), fn.__qualname__, args)
+        pickle.dumps(task)  # an unpicklable argument fails here, not as a worker timeout
         for q in self._tasks:
             q.put(task)
         got: dict[int, tuple[bool, Any]] = {}
@@ -217,8 +219,12 @@ class GlooWorld:
         except queue.Empty:
             silent = sorted(set(range(self.world_size)) - set(got))
             self.close(force=True)
+            # The ranks that did answer with an error usually say why the others hang.
+            errors = "".join(f"\nrank {r}: {v[2]}" for r, (ok, v) in sorted(got.items())
+                             if not ok)
             raise TimeoutError(f"ranks {silent} did not answer {fn.__qualname__} within "
-                               f"{timeout or self.timeout}s (the world was torn down)") from None
+                               f"{timeout or self.timeout}s (the world was torn down)"
+                               f"{errors}") from None
         return [got[r] for r in range(self.world_size)]
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
