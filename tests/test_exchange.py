@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from haloshard import PAD_MODES, TRANSPORTS, halo_exchange
@@ -153,3 +154,25 @@ def test_gloo_random(gloo, case: tuple, transport: str) -> None:
     world, (ndim, dim), length, left, right, pad = case
     gloo(world).run(on_gloo, "case_exchange", ndim, dim, length, left, right, pad, transport,
                     torch.float64, 5)
+
+
+@pytest.mark.simulated
+def test_simulated_2d_mesh_uneven_batch() -> None:
+    """The cp axis of a (dp, cp) mesh whose dp groups hold batches of different sizes."""
+    with single_device():
+        full = _data((3, 2, 7), torch.float64, 4)
+    with simulated_mesh((2, 2), mesh_dim_names=("dp", "cp")) as mesh:
+
+        def local(dp: int, cp: int) -> torch.Tensor:
+            return shard(shard(full, 0, 2, dp), 2, 2, cp).clone()
+
+        x = maybe_run_for_local_tensor(local)(mesh.get_local_rank("dp"),
+                                              mesh.get_local_rank("cp"))
+        y = halo_exchange(x, 2, 1, 2, (mesh, "cp"), pad="replicate")
+
+        def check(out: torch.Tensor, dp: int, cp: int) -> None:
+            want = reference_halo(shard(full, 0, 2, dp), 2, 1, 2, 2, cp, "replicate")
+            assert torch.equal(out, want), (dp, cp)
+
+        maybe_run_for_local_tensor(check)(y, mesh.get_local_rank("dp"),
+                                          mesh.get_local_rank("cp"))

@@ -74,8 +74,13 @@ def _meta_row(
     return torch.tensor(row, dtype=torch.int64, device=x.device)
 
 
+@maybe_run_for_local_tensor
 def _check_rows(rows: list[list[int]], own_problem: str | None) -> None:
-    """Raise the same `HaloError` on every rank when any rank's row is bad or differs."""
+    """Raise the same `HaloError` on every rank when any rank's row is bad or differs.
+
+    Per simulated rank under LocalTensorMode: groups of a 2-D mesh may hold different rows
+    (an uneven batch over dp), which arrive as per-rank ints.
+    """
     if own_problem is not None:
         raise HaloError(own_problem)
     bad = [k for k, row in enumerate(rows) if row[_ERR]]
