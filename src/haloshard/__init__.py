@@ -8,6 +8,14 @@ from haloshard._conv import halo_conv
 from haloshard._errors import HaloError
 from haloshard._exchange import TRANSPORTS, halo_exchange
 from haloshard._hooks import HaloHandle, annotate
+from haloshard._layer_styles import (
+    AttentionParallel,
+    CausalConvParallel,
+    FirstFrameParallel,
+    FirstFrameStencil,
+    GroupNormParallel,
+    LocalParallel,
+)
 from haloshard._layout import PAD_MODES, HaloShard, shard_size_and_offset, shard_sizes
 from haloshard._norms import group_norm
 from haloshard._redistribute import redistribute
@@ -36,6 +44,13 @@ __all__ = [
     "ConvStencil",
     "TransposeStencil",
     "ResampleStencil",
+    # styles for the other layers of a video model
+    "GroupNormParallel",
+    "LocalParallel",
+    "AttentionParallel",
+    "CausalConvParallel",
+    "FirstFrameParallel",
+    "FirstFrameStencil",
     # layers that need more than a halo
     "group_norm",
     "attention",

@@ -1,0 +1,566 @@
+"""ParallelStyles for the layers of a video model that are not plain convs.
+
+A causal video VAE mixes convs with GroupNorm, attention over every token and temporal
+resampling. Under a `Shard(T)` layout each of them needs its own treatment, and DTensor's
+default dispatch is wrong or wasteful for most: `nn.GroupNorm` on a `Shard(2)` DTensor
+all-gathers the activation and returns `Replicate`, a conv returns a mislabelled `Replicate`
+(or refuses plain parameters), `F.pad` all-gathers. The styles here run each module on its
+local chunk and rebuild the `Shard(dim)` DTensor on the input's mesh, as `HaloParallel` does:
+
+- `GroupNormParallel`: exact statistics over the whole T from one all-gather of B*G*3 numbers;
+- `LocalParallel`: modules that act on each frame alone (per-frame norms, 1x1 convs, any
+  pointwise block): no communication at all;
+- `AttentionParallel`: a block that attends over all T*H*W tokens, with K/V all-gathered;
+- `CausalConvParallel`: a causal wrapper (`F.pad` of `k - 1` frames, then a conv of any
+  stride along T): the halo of its conv, the wrapper's own padding dropped;
+- `FirstFrameParallel`: "keep the first frame, resample the rest" (CogVideoX / Hunyuan /
+  Mochi temporal down- and upsampling).
+
+Parameter-free pointwise ops, residual adds, channel concatenation and channel-only norms
+without affine parameters (`F.layer_norm` over C, `F.normalize(x, dim=1)`) need no plan
+entry: DTensor keeps `Shard(2)` through them, forward and backward, with no communication
+(checked in the tests). Modules with plain parameters (a LayerNorm with weights, a 1x1
+conv) refuse a DTensor input, and a per-frame `F.group_norm` on `(b t) c h w` has no
+DTensor backward in torch 2.13: those take `LocalParallel`. Everything is undone by the
+handle that `halo_handles(model)` returns, like a halo.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run_for_local_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.overrides import TorchFunctionMode
+
+from haloshard import _comm
+from haloshard._attention import _valid_rows
+from haloshard._errors import HaloError
+from haloshard._hooks import (
+    _HANDLE,
+    _INSIDE,
+    Annotation,
+    HaloHandle,
+    _dtensor_site,
+    _global_shape,
+    _HaloForward,
+    _NoPadAlong,
+    _Site,
+    _site,
+    attach,
+    handle_of,
+)
+from haloshard._layout import HaloShard, PadMode, shard_sizes
+from haloshard._norms import _GroupNormFn
+from haloshard._specs import DERIVABLE, ConvStencil, derive_stencil, spatial_index
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+# ---------------------------------------------------------------- local forward machinery
+def _install(module: nn.Module, forward: _LocalForward) -> HaloHandle:
+    """Replace `module.forward` by `forward`; the handle restores it (as a halo's does)."""
+    if handle_of(module) is not None:
+        raise HaloError(f"a haloshard style is already applied to {type(module).__name__}; "
+                        "call its handle's remove() first")
+    forward.previous = module.__dict__.get("forward")
+    module.forward = forward
+    handle = HaloHandle(module, {}, forward.previous)
+    setattr(module, _HANDLE, handle)
+    return handle
+
+
+class _LocalForward:
+    """A module's forward run on the local chunk of a `Shard(dim)` input.
+
+    DTensor in: the chunk goes through the module (`local`), the output comes back as a
+    DTensor on the input's mesh and placements with the input's global length along `dim`.
+    Plain chunk in: plain chunk out, the group is the 1-D mesh given at `_apply`.
+    An object rather than a closure, so deep copies of the model rebind to the copy.
+    """
+
+    previous: Callable[..., Any] | None = None
+    style = "LocalParallel"
+
+    def __init__(self, module: nn.Module, dim: int, mesh: DeviceMesh | None) -> None:
+        self.module, self.dim, self.mesh = module, dim, mesh
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _LocalForward:
+        new = copy.copy(self)  # the mesh is shared, never copied: it names process groups
+        new.module = copy.deepcopy(self.module, memo)
+        new.previous = copy.deepcopy(self.previous, memo)
+        return new
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def site(self, x: torch.Tensor) -> _Site:
+        if isinstance(x, DTensor):
+            return _dtensor_site(x, self.dim)
+        if self.mesh is None or self.mesh.ndim != 1:
+            raise HaloError(f"{self.style} got a plain tensor and needs a 1-D mesh for it, got "
+                            f"{self.mesh}; pass a DTensor or apply it to the cp sub-mesh")
+        # The global length is not needed here: no collective to find it.
+        return _Site(x, self.mesh, 0, None, tuple(x.shape), self.dim)
+
+    def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
+        x, n = site.local, site.local.shape[self.dim]
+        # An empty chunk (T < P) runs as one zero slice, dropped after: convs and pooling
+        # refuse empty inputs. Per-rank counts (LocalTensorMode) cannot be tested: pad by
+        # what each rank lacks, zero mostly.
+        if isinstance(n, torch.SymInt) or n == 0:
+            lack = _lack(n)
+            x = F.pad(x, [0, 0] * (x.ndim - 1 - self.dim) + [0, lack])
+        y = self.original(x, *args, **kwargs)
+        _check_same_length(y.shape[self.dim], x.shape[self.dim], self.style, self.dim)
+        return y.narrow(self.dim, 0, n) if x is not site.local else y
+
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _INSIDE.get():
+            # Inside a halo module the input is a window, not a shard: local ops pass
+            # through, anything with global statistics would be wrong (see subclasses).
+            return self.inside(x, *args, **kwargs)
+        site = self.site(x)
+        y = self.local(site, *args, **kwargs)
+        if not isinstance(y, torch.Tensor) or isinstance(y, DTensor):
+            raise HaloError(f"{self.style} expects the module to return one plain tensor "
+                            f"from its local forward, got {type(y).__name__}")
+        if site.placements is None:
+            return y
+        shape = _global_shape(y, site, self.dim, site.length)
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        return DTensor.from_local(y, site.mesh, site.placements, run_check=False,
+                                  shape=shape, stride=stride)
+
+    def inside(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return self.original(x, *args, **kwargs)
+
+
+@maybe_run_for_local_tensor
+def _lack(n: int) -> int:
+    return max(0, 1 - n)
+
+
+@maybe_run_for_local_tensor
+def _check_same_length(got: int, expected: int, style: str, dim: int) -> None:
+    if got != expected:
+        raise HaloError(f"{style} is for modules that keep the length of dim {dim}: the "
+                        f"module returned {got} slices from a chunk of {expected}")
+
+
+def _check_dim(module: nn.Module, dim: int, style: str) -> None:
+    if dim < 2:
+        raise HaloError(f"{style} shards a dim after batch and channels, got dim={dim}; "
+                        "expected dim >= 2")
+
+
+class LocalParallel(ParallelStyle):
+    """Run a module that treats every slice along `dim` alone on the local chunk: no comms.
+
+    For per-frame norms, 1x1 convs, pointwise blocks and anything else whose output slice t
+    depends only on input slice t. A conv with kernel 1 along T needs an entry (this or
+    `HaloParallel`): DTensor's own conv refuses plain parameters or mislabels the output.
+
+    Args:
+        dim: the sharded dim of the module's input.
+
+    Raises:
+        HaloError: in `_apply` for dim < 2 or a module that already has a style; at run
+            time when the module changes the length of `dim` (it is not per-slice).
+
+    Example::
+        >>> parallelize_module(model, mesh, {"encoder.*.skip": LocalParallel()})
+        >>> model.encoder.blocks[0].skip(x).placements  # x: Shard(2), (1, 8, 13, 16, 16)
+        (Shard(dim=2),)
+    """
+
+    forward_type: type[_LocalForward] = _LocalForward
+
+    def __init__(self, *, dim: int = 2) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dim={self.dim})"
+
+    def _validate(self, module: nn.Module) -> None:
+        _check_dim(module, self.dim, type(self).__name__)
+        if isinstance(module, DERIVABLE) and not isinstance(self, GroupNormParallel):
+            stencil = derive_stencil(module, self.dim)
+            if stencil != ConvStencil(span=1):
+                raise HaloError(f"LocalParallel is for per-slice modules, but "
+                                f"{type(module).__name__} reads {stencil} along dim "
+                                f"{self.dim}; use HaloParallel for it")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module)
+        _install(module, self.forward_type(module, self.dim, device_mesh))
+        return module
+
+
+# ---------------------------------------------------------------- GroupNorm
+class _GroupNormForward(_LocalForward):
+    style = "GroupNormParallel"
+
+    def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
+        gn = self.module
+        assert isinstance(gn, nn.GroupNorm)
+        if site.local.shape[1] % gn.num_groups:
+            raise HaloError(f"GroupNormParallel needs C divisible by num_groups="
+                            f"{gn.num_groups}, got shape {tuple(site.local.shape)}")
+        grp = _comm.resolve_group((site.mesh, site.axis))
+        return _GroupNormFn.apply(site.local, gn.weight, gn.bias, gn.num_groups, gn.eps,
+                                    grp)
+
+    def inside(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise HaloError("GroupNormParallel cannot run inside a halo module (its input is a "
+                        "window with halo slices, whose statistics would count them twice); "
+                        "plan the enclosing module's convs instead of the whole module")
+
+
+class GroupNormParallel(LocalParallel):
+    """`nn.GroupNorm` over a `Shard(dim)` input with exact global statistics.
+
+    Each rank reduces its chunk to (count, mean, M2) per (batch, group) and the ranks
+    all-gather those B*G*3 numbers (no activations), as `haloshard.group_norm` does; the
+    backward all-reduces 2*B*G numbers, and autograd keeps only the input (as for
+    `nn.GroupNorm`; `group_norm` keeps twice that). The output
+    is this rank's `Shard(dim)` chunk of the single-device output. Forward and backward are
+    exact; the affine parameters' gradients are per-rank partial sums (`reduce_grads`).
+    Without this entry, DTensor's own group norm all-gathers the whole activation and
+    returns `Replicate`.
+
+    Args:
+        dim: the sharded dim of the module's input (not 0 or 1).
+
+    Raises:
+        HaloError: in `_apply` for a module that is not `nn.GroupNorm` or dim < 2.
+
+    Example::
+        >>> parallelize_module(model, mesh, {"encoder.*.norm*": GroupNormParallel()})
+        >>> model.encoder.blocks[0].norm1(x).placements  # x: Shard(2), (1, 8, 13, 16, 16)
+        (Shard(dim=2),)
+    """
+
+    forward_type = _GroupNormForward
+
+    def _validate(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.GroupNorm):
+            raise HaloError(f"GroupNormParallel applies to nn.GroupNorm, got "
+                            f"{type(module).__name__}")
+        super()._validate(module)
+
+
+# ---------------------------------------------------------------- attention over all tokens
+class _TokenAttention(TorchFunctionMode):
+    """Inside an attention block's local forward: SDPA over the all-gathered keys/values.
+
+    The block's tokens must be its `(t, h, w)` positions with t outermost (`b c t h w ->
+    b (t h w) c`), so each rank's queries, keys and values are `T_r * S` contiguous tokens,
+    S = H * W. K and V are unflattened to `(..., T_r, S, E)`, gathered along T into
+    `(..., T, S, E)` and flattened back: every rank's queries see every token.
+    """
+
+    def __init__(self, site: _Site, dim: int) -> None:
+        super().__init__()
+        self.site, self.dim, self.calls = site, dim, 0
+        self.frame = math.prod(site.local.shape[dim + 1 :])
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is F.scaled_dot_product_attention:
+            self.calls += 1
+            return self._attend(*args, **kwargs)
+        if func is F.group_norm and args[0].ndim == self.site.local.ndim:
+            raise HaloError("an attention block's F.group_norm over (C, T, H, W) would use "
+                            "this rank's frames only; give that nn.GroupNorm its own "
+                            "GroupNormParallel entry in the plan")
+        return func(*args, **kwargs)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                is_causal: bool = False, scale: float | None = None,
+                enable_gqa: bool = False) -> torch.Tensor:
+        if attn_mask is not None or dropout_p or is_causal or enable_gqa:
+            raise HaloError("AttentionParallel supports scaled_dot_product_attention without "
+                            f"mask, dropout, causal or GQA, got attn_mask={attn_mask is not None}"
+                            f", dropout_p={dropout_p}, is_causal={is_causal}, "
+                            f"enable_gqa={enable_gqa}")
+        _check_tokens(q.shape[-2], self.site.local.shape[self.dim], self.frame)
+        group, frames = (self.site.mesh, self.site.axis), self.site.length
+        k_all, v_all = (_gather_tokens(t, self.frame, group, frames) for t in (k, v))
+        if enabled_local_tensor_mode() is not None or q.shape[-2] == 0:
+            # As in haloshard.attention: LocalTensorMode picks one SDPA kernel for all
+            # simulated ranks, and the CPU flash kernel divides by zero on an idle rank.
+            s = scale if scale is not None else q.shape[-1] ** -0.5
+            return torch.softmax(q @ k_all.transpose(-2, -1) * s, dim=-1) @ v_all
+        return F.scaled_dot_product_attention(q, k_all, v_all, scale=scale)
+
+
+def _gather_tokens(t: torch.Tensor, frame: int, group: tuple[DeviceMesh, int], frames: int
+                   ) -> torch.Tensor:
+    """`(..., T_r * S, E) -> (..., T * S, E)`: `gather_along` for tokens that come in
+    frames of S. Not `gather_along` on a `(..., T_r, S, E)` view: that reshape of a per-rank
+    length is not supported under LocalTensorMode, so the rows are gathered as tokens."""
+    grp = _comm.resolve_group(group)
+    lengths = tuple(n * frame for n in shard_sizes(frames, grp.size))
+    front = t.movedim(-2, 0)
+    # all-gather needs equal blocks: pad each chunk to the longest, keep the real rows.
+    padded = torch.cat([front, front.new_zeros((max(lengths) - front.shape[0],
+                                                *front.shape[1:]))])
+    every = _comm.all_gather_autograd(padded.contiguous(), grp)
+    return every.index_select(0, _valid_rows(lengths, max(lengths), t.device)).movedim(0, -2)
+
+
+@maybe_run_for_local_tensor
+def _check_tokens(tokens: int, frames: int, frame: int) -> None:
+    if tokens != frames * frame:
+        raise HaloError(f"AttentionParallel expects the block to attend over its T*H*W "
+                        f"tokens: {frames} local frames of {frame} positions make "
+                        f"{frames * frame} tokens, but scaled_dot_product_attention got "
+                        f"{tokens}")
+
+
+class _AttentionForward(_LocalForward):
+    style = "AttentionParallel"
+
+    def site(self, x: torch.Tensor) -> _Site:
+        # Plain input: the global T comes from one small all-gather of the chunk lengths.
+        return _site(x, self.dim, self.mesh)
+
+    def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
+        mode = _TokenAttention(site, self.dim)
+        with mode:
+            y = self.original(site.local, *args, **kwargs)
+        if mode.calls != 1:
+            raise HaloError(f"AttentionParallel expects the block to call "
+                            f"F.scaled_dot_product_attention once, it called it {mode.calls} "
+                            "times; a hand-written softmax(q @ k.T) would attend to this "
+                            "rank's tokens only")
+        return y
+
+    def inside(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise HaloError("AttentionParallel cannot run inside a halo module: its input is a "
+                        "window, not a shard")
+
+
+class AttentionParallel(LocalParallel):
+    """A block that attends over all T*H*W tokens of a `Shard(T)` input: K/V all-gathered.
+
+    The block's own forward runs on the local chunk `(B, C, T_r, H, W)`: its projections are
+    per-token, so they run locally, and its one `F.scaled_dot_product_attention` call (no
+    mask, dropout or causal flag) is replaced by attention of the local queries over the
+    keys and values all-gathered along T (as `haloshard.gather_along` does). The block must order
+    tokens as `(t h w)` with t outermost (the usual `b c t h w -> b (t h w) c`); a GroupNorm
+    inside it needs its own `GroupNormParallel` entry (an un-planned one raises), and where
+    a rank may hold no frame (torch.chunk splits: T=9 on 4 ranks is 3, 3, 3, 0) its convs
+    need `LocalParallel` entries (a conv refuses an empty input). Exact, forward and
+    backward (the backward of the gather is a reduce-scatter of dK and dV).
+
+    Memory: every rank holds the full K and V of the block, `2 * B * T * H * W * C`
+    elements, and autograd keeps them for the backward: that part does not shrink with P.
+    Queries, scores (`B * heads * N / P * N` on the math path) and outputs stay sharded.
+    Traffic: `2 * (P - 1) / P` of the global K/V bytes per rank, forward and backward.
+    A VAE puts this block at the lowest resolution, where K/V are a small share of the peak
+    (see benchmarks/vae_memory.py); ring attention would remove it, at more code.
+
+    Args:
+        dim: the sharded dim (T) of the block's `(B, C, T, H, W)` input.
+
+    Raises:
+        HaloError: at run time when the block calls SDPA other than once, with a mask,
+            dropout or causal flag, or over tokens that are not its T*H*W positions.
+
+    Example::
+        >>> parallelize_module(vae, mesh, {"encoder.mid.attn": AttentionParallel(),
+        ...                                "encoder.mid.attn.norm": GroupNormParallel()})
+        >>> vae.encoder.mid.attn(x).placements  # x: Shard(2), (1, 32, 5, 8, 8)
+        (Shard(dim=2),)
+    """
+
+    forward_type = _AttentionForward
+
+
+# ---------------------------------------------------------------- temporal resampling
+class _StripPadForward(_HaloForward):
+    """The halo forward of a causal wrapper whose own `F.pad` along dim is dropped."""
+
+    strip: HaloShard
+    active = False
+
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # Nested in another halo module, the wrapper keeps its padding (pass-through).
+        self.active = not _INSIDE.get()
+        return super().__call__(x, *args, **kwargs)
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:
+            return super().original(*args, **kwargs)
+        # args[0] is the window the halo forward hands the module
+        with _NoPadAlong(self.annotation.dim, self.strip, args[0]):
+            return super().original(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _StripPadForward:
+        new = _StripPadForward(copy.deepcopy(self.module, memo), self.annotation, self.mesh,
+                               copy.deepcopy(self.saved, memo),
+                               copy.deepcopy(self.previous, memo))
+        new.strip = self.strip
+        return new
+
+
+def _one_conv(module: nn.Module, dim: int) -> nn.Conv1d:
+    convs = [m for m in module.modules() if isinstance(m, _CONVS)]
+    if len(convs) != 1:
+        raise HaloError(f"CausalConvParallel expects a wrapper around exactly one conv, "
+                        f"{type(module).__name__} holds {len(convs)}")
+    conv = convs[0]
+    si = spatial_index(conv, dim)
+    rev = conv._reversed_padding_repeated_twice
+    n = len(conv.kernel_size)
+    if rev[2 * (n - 1 - si)] or rev[2 * (n - 1 - si) + 1]:
+        raise HaloError(f"CausalConvParallel expects the wrapped conv to have no padding "
+                        f"along dim {dim} (the wrapper pads it with F.pad), got padding "
+                        f"{conv.padding}")
+    return conv
+
+
+class CausalConvParallel(ParallelStyle):
+    """A causal conv wrapper (`F.pad` by `k - 1` frames on the left, then a conv with no T
+    padding, any stride and dilation): exact on `Shard(T)`, e.g. the stride-2 downsampler.
+
+    The halo and output windows come from the wrapped conv (`span - 1` frames of `pad` on
+    the left, its stride): each rank's output chunk is the `Shard(dim)` chunk of the
+    single-device output, uneven and odd lengths included. The wrapper's own `F.pad` along
+    dim is dropped (the halo holds it), after checking it is exactly `(span - 1, 0)` of mode
+    `pad`. `HaloParallel(HaloShard(...))` covers only length-preserving wrappers.
+
+    Args:
+        pad: the wrapper's padding mode along dim: "replicate" (video VAEs) or "zeros".
+        dim: the sharded dim.
+
+    Raises:
+        HaloError: in `_apply`, for a module that does not hold exactly one conv with no
+            padding of its own along dim; at run time, when the wrapper pads otherwise.
+
+    Example::
+        >>> down = CausalConv3d(8, 8, kernel=3, stride=2)  # F.pad (2, 0) replicate, then conv
+        >>> parallelize_module(down, mesh, CausalConvParallel())
+        >>> down(x).shape[2]  # x: Shard(2), T = 13
+        7
+    """
+
+    def __init__(self, *, pad: PadMode = "replicate", dim: int = 2) -> None:
+        super().__init__()
+        self.pad, self.dim = pad, dim
+
+    def __repr__(self) -> str:
+        return f"CausalConvParallel(pad={self.pad!r}, dim={self.dim})"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        conv = _one_conv(module, self.dim)
+        si = spatial_index(conv, self.dim)
+        span = conv.dilation[si] * (conv.kernel_size[si] - 1) + 1
+        stencil = ConvStencil(span=span, stride=conv.stride[si], pad_left=span - 1,
+                              pad=self.pad)
+        plain = attach(module, Annotation(None, self.dim, stencil), device_mesh)
+        base = module.forward
+        assert isinstance(base, _HaloForward) and plain.attached
+        forward = _StripPadForward(module, base.annotation, base.mesh, base.saved,
+                                   base.previous)
+        forward.strip = HaloShard(self.dim, left=span - 1, pad=self.pad)
+        module.forward = forward  # the handle restores base.previous, not this object
+        return module
+
+
+@dataclass(frozen=True)
+class FirstFrameStencil:
+    """"Keep the first frame, resample the rest" along dim, by an integer factor.
+
+    down: outputs `[x0, pool(x1..xf), pool(x_{f+1}..x_{2f}), ...]`, length `1 + (T-1) // f`;
+    up: outputs `[x0, x1 * f times, x2 * f times, ...]`, length `1 + (T-1) * f`.
+    The module runs on a window that starts one input early (a throw-away "first frame")
+    when the rank's outputs do not start at 0; `window` returns where the wanted outputs
+    start in the module's output.
+
+    Example::
+        >>> FirstFrameStencil(2, "down").window(2, 4), FirstFrameStencil(2, "up").window(3, 6)
+        ((2, 7, 1), (1, 4, 1))
+    """
+
+    factor: int
+    direction: Literal["down", "up"]
+    pad: PadMode = "zeros"  # never used: windows stay inside [0, T)
+    fill: float | None = None
+    min_input: int = 1
+
+    def __post_init__(self) -> None:
+        if self.factor < 1 or self.direction not in ("down", "up"):
+            raise HaloError(f"FirstFrameStencil needs factor >= 1 and direction 'down' or "
+                            f"'up', got factor={self.factor}, direction={self.direction!r}")
+
+    def out_length(self, length: int) -> int:
+        if length <= 0:
+            return 0
+        f = self.factor
+        return 1 + (length - 1) // f if self.direction == "down" else 1 + (length - 1) * f
+
+    def window(self, start: int, stop: int) -> tuple[int, int, int]:
+        f = self.factor
+        if self.direction == "down":
+            last = 1 + (stop - 1) * f
+            return (0, last, 0) if start == 0 else ((start - 1) * f, last, 1)
+        i0 = 0 if start == 0 else (start - 1) // f
+        i1 = 1 if stop == 1 else (stop - 2) // f + 2
+        return i0, i1, start - i0 * f
+
+
+class FirstFrameParallel(ParallelStyle):
+    """A module that keeps the first frame and resamples the rest along T, exact on Shard(T).
+
+    Covers the temporal down- and upsamplers of CogVideoX, HunyuanVideo and Mochi style VAEs:
+    `down` pools each group of `factor` frames after the first (any pooling or conv that
+    maps `1 + n * factor` frames to `1 + n`), `up` repeats each frame after the first
+    `factor` times. The module itself runs unedited on a window of its input; only the
+    outputs this rank owns are kept. Any length T >= 1 is exact (down drops the
+    `(T - 1) % factor` trailing frames, as the module does on one device).
+
+    Args:
+        factor: the temporal factor.
+        direction: "down" or "up".
+        dim: the sharded dim.
+
+    Raises:
+        HaloError: for factor < 1 or another direction.
+
+    Example::
+        >>> parallelize_module(vae, mesh, {"encoder.down_t": FirstFrameParallel(2, "down")})
+        >>> vae.encoder.down_t(x).shape[2]  # x: Shard(2), T = 9
+        5
+    """
+
+    def __init__(self, factor: int, direction: Literal["down", "up"], *, dim: int = 2
+                 ) -> None:
+        super().__init__()
+        self.stencil = FirstFrameStencil(factor, direction)
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        s = self.stencil
+        return f"FirstFrameParallel({s.factor}, {s.direction!r}, dim={self.dim})"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_dim(module, self.dim, "FirstFrameParallel")
+        attach(module, Annotation(None, self.dim, self.stencil), device_mesh)
+        return module
