@@ -44,10 +44,15 @@ from haloshard._specs import plan_windows
 from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
 from haloshard.testing import (
     assert_close_per_rank,
+    check_module,
+    module_reference,
     rank_map,
+    seeded_randn,
     shard,
+    sharded,
     simulated_mesh,
     single_device,
+    unhooked,
     worker_mesh,
 )
 
@@ -55,18 +60,13 @@ TOL = {"atol": 1e-12, "rtol": 1e-10}
 T = 7
 
 
-def _data(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float64
-          ) -> torch.Tensor:
-    with single_device():  # one tensor, not one per simulated rank
-        gen = torch.Generator().manual_seed(seed)
-        return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
 
 
 def _seeded(module: nn.Module, seed: int) -> nn.Module:
     module = module.double()
     with torch.no_grad():
         for i, p in enumerate(module.parameters()):
-            p.copy_(_data(tuple(p.shape), seed + i) * 0.25)
+            p.copy_(seeded_randn(tuple(p.shape), seed + i) * 0.25)
     return module
 
 
@@ -127,11 +127,6 @@ def _parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return par
 
 
-def _unhooked(module: nn.Module) -> nn.Module:
-    clone = copy.deepcopy(module)
-    for handle in halo_handles(clone).values():
-        handle.remove()
-    return clone
 
 
 def _chunks(mesh: DeviceMesh, full: torch.Tensor) -> torch.Tensor:
@@ -139,52 +134,21 @@ def _chunks(mesh: DeviceMesh, full: torch.Tensor) -> torch.Tensor:
     return rank_map(mesh, lambda r: shard(full, 2, world, r).clone())
 
 
-def _sharded(mesh: DeviceMesh, full: torch.Tensor) -> tuple[DTensor, torch.Tensor]:
-    """A `Shard(2)` DTensor of `full` on a 1-D mesh, and its local leaf (for its grad)."""
-    local = _chunks(mesh, full).requires_grad_()
-    return DTensor.from_local(local, mesh, [Shard(2)], shape=full.shape,
-                              stride=full.stride()), local
 
 
-def _reference(model: nn.Module, full: torch.Tensor, seed: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Single-device output, upstream gradient, input gradient and parameter gradients."""
-    with single_device():
-        ref = _unhooked(model)
-        x = full.clone().requires_grad_()
-        y = ref(x)
-        gy = _data(tuple(y.shape), seed)
-        (y * gy).sum().backward()
-        grads = [p.grad for p in ref.parameters()]
-    assert x.grad is not None
-    return y.detach(), gy, x.grad, grads  # type: ignore[return-value]
 
 
-def _check_grads(mesh: DeviceMesh, model: nn.Module, full: torch.Tensor, seed: int,
-                 run: Callable[[DTensor], DTensor]) -> None:
-    """Forward, input gradient and summed parameter gradients against the reference."""
-    world = mesh.size()
-    y_ref, gy, gx, grads = _reference(model, full, seed)
-    x, local = _sharded(mesh, full)
-    y = run(x)
-    assert isinstance(y, DTensor) and y.placements == (Shard(2),), y
-    assert_close_per_rank(y.to_local(), lambda r: shard(y_ref, 2, world, r), mesh, **TOL)
-    (y.to_local() * rank_map(mesh, lambda r: shard(gy, 2, world, r))).sum().backward()
-    assert_close_per_rank(local.grad, lambda r: shard(gx, 2, world, r), mesh, **TOL)
-    reduce_grads(model, mesh)
-    for p, g in zip(model.parameters(), grads, strict=True):
-        assert_close_per_rank(p.grad, lambda r, g=g: g, mesh, **TOL)
 
 
 # ---------------------------------------------------------------- SPMD bodies, 1-D mesh
 def case_checkpoint(mesh: DeviceMesh, seed: int) -> None:
     """Non-reentrant checkpointing inside the model (per halo layer) and around the whole
     parallelized model: backward recomputes the forward, halo exchanges included."""
-    full = _data((2, 2, T, 3, 3), seed)
+    full = seeded_randn((2, 2, T, 3, 3), seed)
     inner = _parallel(_net(seed + 1, ckpt=True), mesh)
-    _check_grads(mesh, inner, full, seed + 2, inner)
+    check_module(mesh, inner, full, seed + 2, inner)
     outer = _parallel(_net(seed + 1), mesh)
-    _check_grads(mesh, outer, full, seed + 2,
+    check_module(mesh, outer, full, seed + 2,
                  lambda x: checkpoint(outer, x, use_reentrant=False))
 
 
@@ -205,13 +169,13 @@ def case_dtypes(mesh: DeviceMesh, seed: int) -> None:
     truth = _net(seed)
     for dtype, k in LOW_PRECISION.items():
         model = _net(seed, dtype=dtype)
-        full = _data((1, 2, T, 3, 3), seed + 1, dtype)
+        full = seeded_randn((1, 2, T, 3, 3), seed + 1, dtype)
         with single_device():
-            expected = _unhooked(truth)(full.double()).detach()
+            expected = unhooked(truth)(full.double()).detach()
             atol = k * torch.finfo(dtype).eps * expected.abs().max().item()
-            torch.testing.assert_close(_unhooked(model)(full).double(), expected, atol=atol,
+            torch.testing.assert_close(unhooked(model)(full).double(), expected, atol=atol,
                                        rtol=0)  # the dtype's own accuracy meets the bound
-        y = _parallel(model, mesh)(_sharded(mesh, full)[0].detach())
+        y = _parallel(model, mesh)(sharded(mesh, full)[0].detach())
         assert y.dtype == dtype
         assert_close_per_rank(y.to_local().double(),
                               lambda r, e=expected: shard(e, 2, world, r), mesh,
@@ -221,7 +185,7 @@ def case_dtypes(mesh: DeviceMesh, seed: int) -> None:
 def case_layouts(mesh: DeviceMesh, seed: int) -> None:
     """channels_last_3d chunks, and chunks that are strided views: same values and grads."""
     model = _parallel(_net(seed), mesh)
-    full = _data((2, 2, T, 3, 3), seed + 1)
+    full = seeded_randn((2, 2, T, 3, 3), seed + 1)
 
     def channels_last(x: DTensor) -> DTensor:
         local = x.to_local().contiguous(memory_format=torch.channels_last_3d)
@@ -229,7 +193,7 @@ def case_layouts(mesh: DeviceMesh, seed: int) -> None:
         return model(DTensor.from_local(local, mesh, [Shard(2)], shape=x.shape,
                                         stride=x.stride()))
 
-    _check_grads(mesh, model, full, seed + 2, channels_last)
+    check_module(mesh, model, full, seed + 2, channels_last)
     model.zero_grad()
 
     def strided(x: DTensor) -> DTensor:
@@ -239,7 +203,7 @@ def case_layouts(mesh: DeviceMesh, seed: int) -> None:
         return model(DTensor.from_local(local, mesh, [Shard(2)], shape=x.shape,
                                         stride=x.stride()))
 
-    _check_grads(mesh, model, full, seed + 2, strided)
+    check_module(mesh, model, full, seed + 2, strided)
 
 
 def case_modes(mesh: DeviceMesh, seed: int) -> None:
@@ -248,11 +212,11 @@ def case_modes(mesh: DeviceMesh, seed: int) -> None:
     reference = _net(seed)
     model = _parallel(reference, mesh).eval()
     for batch in (1, 0):
-        full = _data((batch, 2, T, 3, 3), seed + batch)
+        full = seeded_randn((batch, 2, T, 3, 3), seed + batch)
         with single_device(), torch.no_grad():
-            expected = _unhooked(reference)(full)
+            expected = unhooked(reference)(full)
         for mode in (torch.no_grad, torch.inference_mode):
-            x = _sharded(mesh, full)[0].detach()
+            x = sharded(mesh, full)[0].detach()
             with mode():
                 y = model(x)
             assert not y.requires_grad and y.shape == expected.shape, (mode, y.shape)
@@ -260,9 +224,9 @@ def case_modes(mesh: DeviceMesh, seed: int) -> None:
                                   mesh, **TOL)
     # requires_grad=False input: the parameter gradients alone, summed over the ranks
     model = _parallel(reference, mesh).train()
-    full = _data((1, 2, T, 3, 3), seed + 2)
-    _, gy, _, grads = _reference(reference, full, seed + 3)
-    y = model(_sharded(mesh, full)[0].detach())
+    full = seeded_randn((1, 2, T, 3, 3), seed + 2)
+    _, gy, _, grads = module_reference(reference, full, seed + 3)
+    y = model(sharded(mesh, full)[0].detach())
     (y.to_local() * rank_map(mesh, lambda r: shard(gy, 2, world, r))).sum().backward()
     reduce_grads(model, mesh)
     for p, g in zip(model.parameters(), grads, strict=True):
@@ -271,12 +235,12 @@ def case_modes(mesh: DeviceMesh, seed: int) -> None:
 
 def case_determinism(mesh: DeviceMesh, seed: int) -> None:
     """Two runs with the same inputs: bitwise-identical outputs, input and weight grads."""
-    full = _data((2, 2, T, 3, 3), seed)
-    gy = _data((2, 2, T, 3, 3), seed + 1)
+    full = seeded_randn((2, 2, T, 3, 3), seed)
+    gy = seeded_randn((2, 2, T, 3, 3), seed + 1)
     runs = []
     for _ in range(2):
         model = _parallel(_net(seed + 2), mesh)
-        x, local = _sharded(mesh, full)
+        x, local = sharded(mesh, full)
         y = model(x).to_local()
         (y * _chunks(mesh, gy)).sum().backward()
         runs.append([y.detach(), local.grad, *(p.grad for p in model.parameters())])
@@ -299,7 +263,7 @@ def case_no_leak(mesh: DeviceMesh, seed: int) -> None:
     model = _net(seed)
     # torch classes only, so that the whole pickled module loads in any process
     plain = _torch_only(seed)
-    full = _data((1, 2, T, 3, 3), seed + 1)
+    full = seeded_randn((1, 2, T, 3, 3), seed + 1)
     with single_device():
         before = {k: v.clone() for k, v in model.state_dict().items()}
         y_before, y_plain = model(full).detach(), plain(full).detach()
@@ -308,9 +272,9 @@ def case_no_leak(mesh: DeviceMesh, seed: int) -> None:
         parallelize_module(m, mesh, halo_plan(m, include_convs=True))
         assert len(halo_handles(m)) >= 3
     assert list(model.state_dict()) == list(before)  # hooks add no parameter or buffer
-    y = model(_sharded(mesh, full)[0])
+    y = model(sharded(mesh, full)[0])
     assert_close_per_rank(y.to_local(), lambda r: shard(y_before, 2, world, r), mesh, **TOL)
-    (y.to_local().sum() + plain(_sharded(mesh, full)[0]).to_local().sum()).backward()
+    (y.to_local().sum() + plain(sharded(mesh, full)[0]).to_local().sum()).backward()
     for m in (model, plain):
         m.zero_grad(set_to_none=True)
         for handle in halo_handles(m).values():
@@ -369,7 +333,7 @@ LR = 0.1
 def _train_reference(model: nn.Module, full: torch.Tensor, target: torch.Tensor,
                      steps: int) -> nn.Module:
     """Single-device SGD on the full batch, loss = mean squared error over every element."""
-    ref = _unhooked(model)
+    ref = unhooked(model)
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
     losses = []
     for _ in range(steps):
@@ -412,7 +376,7 @@ def run_fsdp(seed: int, steps: int, inplace: bool = False) -> None:
     """
     mesh = worker_mesh((2, 2), mesh_dim_names=("dp", "cp"))
     d = mesh.get_local_rank("dp")
-    full, target = _data((4, 2, T, 3, 3), seed), _data((4, 2, T, 3, 3), seed + 1)
+    full, target = seeded_randn((4, 2, T, 3, 3), seed), seeded_randn((4, 2, T, 3, 3), seed + 1)
     rows, trows = full[2 * d : 2 * d + 2], target[2 * d : 2 * d + 2]
     ref = _train_reference(_net(seed + 2, inplace=inplace), full, target, steps)
     for as_dtensor in (False, True):
@@ -457,7 +421,7 @@ def run_ddp(seed: int, steps: int) -> None:
 
     mesh = worker_mesh(dist.get_world_size())
     rank, world = mesh.get_local_rank(), mesh.size()
-    full, target = _data((2, 2, T, 3, 3), seed), _data((2, 2, T, 3, 3), seed + 1)
+    full, target = seeded_randn((2, 2, T, 3, 3), seed), seeded_randn((2, 2, T, 3, 3), seed + 1)
     ref = _train_reference(_net(seed + 2), full, target, steps)
     model = _net(seed + 2)
     parallelize_module(model, mesh, halo_plan(model, include_convs=True))
@@ -478,7 +442,7 @@ def bad_rank(case: str) -> str:
     if case == "other_spec" and rank == 1:  # a different model: an undilated temporal conv
         model.temporal = _seeded(nn.Conv3d(3, 3, (3, 1, 1), padding=(1, 0, 0)), 42)
     parallelize_module(model, mesh, halo_plan(model, include_convs=True))
-    full = _data((1, 2, T, 3, 3), 43)
+    full = seeded_randn((1, 2, T, 3, 3), 43)
     x = shard(full, 2, world, rank).clone()
     if case == "other_shape" and rank == 1:
         x = torch.cat([x, x], dim=3)  # H = 6 instead of 3 on one rank
@@ -582,21 +546,21 @@ def test_fuzz_convs(case: tuple[nn.Module, tuple[int, ...], int], seed: int) -> 
     the input for reflect/circular, no output), the parallel one raises HaloError."""
     module, shape, world = case
     module = _seeded(module, seed)
-    full = _data(shape, seed + 1)
+    full = seeded_randn(shape, seed + 1)
     if _uniform_halo_too_wide(module, shape[2], world):
         event("known bug: uniform halo wider than reflect/circular allows (xfail below)")
         assume(False)
     try:
-        _reference(module, full, seed + 2)
+        module_reference(module, full, seed + 2)
     except RuntimeError:
         event("the single-device module raises")
         with simulated_mesh(world) as mesh, pytest.raises(HaloError):
             parallelize_module(module, mesh, HaloParallel())
-            module(_sharded(mesh, full)[0])
+            module(sharded(mesh, full)[0])
         return
     with simulated_mesh(world) as mesh:
         parallelize_module(module, mesh, HaloParallel())
-        _check_grads(mesh, module, full, seed + 2, module)
+        check_module(mesh, module, full, seed + 2, module)
 
 
 def _uniform_halo_too_wide(module: nn.Module, length: int, world: int) -> bool:
@@ -624,10 +588,10 @@ def test_short_reflect_conv() -> None:
     """T=3 on 2 ranks, kernel 3, dilation 3, padding 2, reflect: the single-device conv
     gives one output; sharded, the plan asks every rank for right=3 >= T."""
     conv = _seeded(nn.Conv1d(1, 1, 3, dilation=3, padding=2, padding_mode="reflect"), 1)
-    full = _data((1, 1, 3), 2)
+    full = seeded_randn((1, 1, 3), 2)
     with simulated_mesh(2) as mesh:
         parallelize_module(conv, mesh, HaloParallel())
-        _check_grads(mesh, conv, full, 3, conv)
+        check_module(mesh, conv, full, 3, conv)
 
 
 def _bad_halo(draw: st.DrawFn) -> Callable[[], object]:
@@ -719,7 +683,7 @@ def test_annotate_attached_module() -> None:
     """Annotating a module that has a halo attached raises (its padding is the halo's while
     attached, so a derived halo would be wrong); after remove() it derives the true one."""
     conv = _seeded(nn.Conv1d(1, 1, 3, padding=1), 1)
-    full = _data((1, 1, 6), 2)
+    full = seeded_randn((1, 1, 6), 2)
     with simulated_mesh(2) as mesh:
         parallelize_module(conv, mesh, HaloParallel())
         with pytest.raises(HaloError, match="has a halo attached"):
@@ -728,4 +692,4 @@ def test_annotate_attached_module() -> None:
             handle.remove()
         annotate(conv)
         parallelize_module(conv, mesh, halo_plan(nn.Sequential(conv))["0"])
-        _check_grads(mesh, conv, full, 3, conv)
+        check_module(mesh, conv, full, 3, conv)

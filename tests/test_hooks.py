@@ -31,26 +31,28 @@ from haloshard._specs import ResampleStencil
 from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
 from haloshard.testing import (
     assert_close_per_rank,
+    check_module,
+    module_reference,
     rank_map,
+    seeded_randn,
     shard,
+    sharded,
     simulated_mesh,
     single_device,
+    unhooked,
     worker_mesh,
 )
 
 TOL = {"atol": 1e-12, "rtol": 1e-10}
 
 
-def _data(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed),
-                       dtype=torch.float64)
 
 
 def _seeded(module: nn.Module, seed: int) -> nn.Module:
     module = module.double()
     with torch.no_grad():
         for i, p in enumerate(module.parameters()):
-            p.copy_(_data(tuple(p.shape), seed + i))
+            p.copy_(seeded_randn(tuple(p.shape), seed + i))
     return module
 
 
@@ -148,43 +150,10 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
 }
 
 
-def _shard_dt(mesh: DeviceMesh, full: torch.Tensor) -> tuple[DTensor, torch.Tensor]:
-    """A `Shard(2)` DTensor of `full` on a 1-D mesh, and its local leaf (for its grad)."""
-    world = mesh.size()
-    local = rank_map(mesh, lambda r: shard(full, 2, world, r).clone()).requires_grad_()
-    return DTensor.from_local(local, mesh, [Shard(2)], shape=full.shape,
-                              stride=full.stride()), local
 
 
-def _reference(module: nn.Module, full: torch.Tensor, seed: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Single-device output, upstream gradient, input gradient and parameter gradients."""
-    with single_device():
-        ref = _unhooked(module)
-        x = full.clone().requires_grad_()
-        y = ref(x)
-        gy = _data(tuple(y.shape), seed)
-        (y * gy).sum().backward()
-        grads = [p.grad for p in ref.parameters()]
-    assert x.grad is not None
-    return y.detach(), gy, x.grad, grads  # type: ignore[return-value]
 
 
-def _check(mesh: DeviceMesh, module: nn.Module, full: torch.Tensor, seed: int,
-           run: Callable[[DTensor], DTensor] | None = None) -> None:
-    """Forward, input gradient and summed parameter gradients against the reference."""
-    world = mesh.size()
-    y_ref, gy, gx, grads = _reference(module, full, seed)
-    x, local = _shard_dt(mesh, full)
-    y = (run or module)(x)
-    assert isinstance(y, DTensor) and y.placements == (Shard(2),), y
-    assert y.shape == y_ref.shape, (y.shape, y_ref.shape)
-    assert_close_per_rank(y.to_local(), lambda r: shard(y_ref, 2, world, r), mesh, **TOL)
-    (y.to_local() * rank_map(mesh, lambda r: shard(gy, 2, world, r))).sum().backward()
-    assert_close_per_rank(local.grad, lambda r: shard(gx, 2, world, r), mesh, **TOL)
-    reduce_grads(module, mesh)
-    for p, g in zip(module.parameters(), grads, strict=True):
-        assert_close_per_rank(p.grad, lambda r, g=g: g, mesh, **TOL)
 
 
 def case_layer(mesh: DeviceMesh, name: str, length: int, seed: int) -> None:
@@ -192,16 +161,16 @@ def case_layer(mesh: DeviceMesh, name: str, length: int, seed: int) -> None:
     factory, shape = LAYERS[name]
     with single_device():  # plain tensors, not one per simulated rank
         module = _seeded(factory(), seed)
-        full = _data((*shape[:2], length, *shape[3:]), seed + 100)
+        full = seeded_randn((*shape[:2], length, *shape[3:]), seed + 100)
     parallelize_module(module, mesh, HaloParallel())
-    _check(mesh, module, full, seed + 200)
+    check_module(mesh, module, full, seed + 200)
 
 
 def case_model(mesh: DeviceMesh, length: int, seed: int, depth: int = 2) -> None:
     """Symmetric convs, a causal wrapper, a dilated conv and residual adds, one plan each."""
     with single_device():
         model = _seeded(Net(depth=depth), seed)
-        full = _data((1, 2, length, 4, 3), seed + 1)
+        full = seeded_randn((1, 2, length, 4, 3), seed + 1)
     for block in model.blocks:
         annotate(block.causal, HaloShard(2, left=2, pad="replicate"))
     by_annotation = copy.deepcopy(model)
@@ -210,7 +179,7 @@ def case_model(mesh: DeviceMesh, length: int, seed: int, depth: int = 2) -> None
               for name in ("conv1", "causal", "temporal")]
     assert list(plan) == ["conv_in", *blocks, "conv_out"]
     parallelize_module(by_annotation, mesh, plan)
-    _check(mesh, by_annotation, full, seed + 2)
+    check_module(mesh, by_annotation, full, seed + 2)
     # The same model by a glob plan that also names the causal wrapper's inner conv: that one
     # passes through, since its wrapper already holds the halo.
     by_glob = copy.deepcopy(model)
@@ -218,14 +187,14 @@ def case_model(mesh: DeviceMesh, length: int, seed: int, depth: int = 2) -> None
                                        "blocks.*.c*": HaloParallel(),
                                        "blocks.*.causal.conv": HaloParallel(),
                                        "blocks.*.temporal": HaloParallel()})
-    _check(mesh, by_glob, full, seed + 2)
+    check_module(mesh, by_glob, full, seed + 2)
 
 
 def case_remove_reapply(mesh: DeviceMesh, seed: int) -> None:
     """remove() restores the module exactly; re-applying works; applying twice is refused."""
     with single_device():
         model = _seeded(Net(), seed)
-        full = _data((1, 2, 5, 4, 3), seed + 1)
+        full = seeded_randn((1, 2, 5, 4, 3), seed + 1)
     annotate(model.blocks[0].causal, HaloShard(2, left=2, pad="replicate"))
     before = {n: dict(vars(m)) for n, m in model.named_modules()}
     parallelize_module(model, mesh, halo_plan(model, include_convs=True))
@@ -238,7 +207,7 @@ def case_remove_reapply(mesh: DeviceMesh, seed: int) -> None:
     assert halo_handles(model) == {}
     assert {n: dict(vars(m)) for n, m in model.named_modules()} == before
     parallelize_module(model, mesh, halo_plan(model, include_convs=True))
-    _check(mesh, model, full, seed + 2)
+    check_module(mesh, model, full, seed + 2)
 
 
 def case_plain_input(mesh: DeviceMesh, length: int, seed: int) -> None:
@@ -246,8 +215,8 @@ def case_plain_input(mesh: DeviceMesh, length: int, seed: int) -> None:
     world = mesh.size()
     with single_device():
         module = _seeded(nn.Conv1d(2, 2, 3, stride=2, padding=1), seed)
-        full = _data((1, 2, length), seed + 1)
-    y_ref, gy, gx, _ = _reference(module, full, seed + 2)
+        full = seeded_randn((1, 2, length), seed + 1)
+    y_ref, gy, gx, _ = module_reference(module, full, seed + 2)
     parallelize_module(module, mesh, HaloParallel())
     local = rank_map(mesh, lambda r: shard(full, 2, world, r).clone()).requires_grad_()
     y = module(local)
@@ -263,7 +232,7 @@ def case_2d_mesh(mesh: DeviceMesh, length: int, seed: int) -> None:
     world = cp.size()
     with single_device():
         model = _seeded(Net(), seed)
-        full = _data((2, 2, length, 3, 3), seed + 1)
+        full = seeded_randn((2, 2, length, 3, 3), seed + 1)
         rows = [full[d : d + 1] for d in range(2)]
     for block in model.blocks:
         annotate(block.causal, HaloShard(2, left=2, pad="replicate"))
@@ -278,7 +247,7 @@ def case_2d_mesh(mesh: DeviceMesh, length: int, seed: int) -> None:
                            stride=rows[0].stride())
     y = model(x)
     assert y.device_mesh == cp and y.placements == (Shard(2),)
-    refs = [_reference(model, rows[d], seed + 2) for d in range(2)]
+    refs = [module_reference(model, rows[d], seed + 2) for d in range(2)]
 
     def expect(which: int) -> Callable[[int, int], torch.Tensor]:
         return lambda d, c: shard(refs[d][which], 2, world, c)
@@ -302,14 +271,14 @@ def case_2d_placements(mesh: DeviceMesh, length: int, seed: int) -> None:
     """A DTensor on the whole (dp, cp) mesh, (Shard(0), Shard(2)): placements are kept."""
     with single_device():
         module = _seeded(nn.Conv3d(2, 2, 3, padding=1), seed)
-        full = _data((2, 2, length, 3, 2), seed + 1)
+        full = seeded_randn((2, 2, length, 3, 2), seed + 1)
         rows = [full[d : d + 1] for d in range(2)]
     parallelize_module(module, mesh["cp"], HaloParallel())
     x = _distribute(full, rows, mesh)
     y = module(x)
     assert y.placements == (Shard(0), Shard(2)) and y.shape == (2, 2, length, 3, 2)
     with single_device():
-        expected = _unhooked(module)(full).detach()
+        expected = unhooked(module)(full).detach()
     world = mesh["cp"].size()
     _close(y.to_local(), lambda d, c: shard(expected.narrow(0, d, 1), 2, world, c),
            (mesh.get_local_rank("dp"), mesh.get_local_rank("cp")))
@@ -323,11 +292,6 @@ def _distribute(full: torch.Tensor, rows: list[torch.Tensor], mesh: DeviceMesh) 
                               stride=full.stride())
 
 
-def _unhooked(module: nn.Module) -> nn.Module:
-    clone = copy.deepcopy(module)
-    for handle in halo_handles(clone).values():
-        handle.remove()
-    return clone
 
 
 def case_runtime_errors(mesh: DeviceMesh, seed: int) -> None:
@@ -338,14 +302,14 @@ def case_runtime_errors(mesh: DeviceMesh, seed: int) -> None:
         too_wide = _seeded(nn.Sequential(nn.Conv1d(2, 2, 3)), seed)
         wrong_cat = _seeded(CatCausalConv3d(2), seed)
         up = _seeded(nn.ConvTranspose1d(2, 2, 2, 2), seed)
-        full, video = _data((1, 2, 6), seed), _data((1, 2, 5, 3, 3), seed)
+        full, video = seeded_randn((1, 2, 6), seed), seeded_randn((1, 2, 5, 3, 3), seed)
     parallelize_module(conv, mesh, HaloParallel())
     replicated = DTensor.from_local(full.clone(), mesh, [Replicate()], run_check=False)
     with pytest.raises(HaloError, match="sharded along dim 2 on exactly one mesh axis"):
         conv(replicated)
     annotate(wrong_pad, HaloShard(2, left=2))  # but the module pads by replicate
     parallelize_module(wrong_pad, mesh, HaloParallel())
-    x, _ = _shard_dt(mesh, video)
+    x, _ = sharded(mesh, video)
     with pytest.raises(HaloError, match="pads dim 2 by \\(2, 0\\) with mode='replicate'"):
         wrong_pad(x)
     annotate(wrong_cat, HaloShard(2, left=1, right=1, pad="replicate"))
@@ -355,10 +319,10 @@ def case_runtime_errors(mesh: DeviceMesh, seed: int) -> None:
     # a spec wider than what the module consumes: the output would come out too long
     parallelize_module(annotate(too_wide, HaloShard(2, 2, 2)), mesh, HaloParallel())
     with pytest.raises(HaloError, match=r"returned \d+ slices along dim 2 from a window"):
-        too_wide(_shard_dt(mesh, full)[0])
+        too_wide(sharded(mesh, full)[0])
     parallelize_module(up, mesh, HaloParallel())
     with pytest.raises(HaloError, match="output_size= is not supported"):
-        up(_shard_dt(mesh, full)[0], output_size=[12])
+        up(sharded(mesh, full)[0], output_size=[12])
     unmeshed = nn.Conv1d(2, 2, 3)
     attach(unmeshed, resolve(unmeshed), None)
     with pytest.raises(HaloError, match="plain-tensor input needs a mesh"):

@@ -311,3 +311,79 @@ def _axis_ranks(mesh: DeviceMesh, mesh_axis: int | str) -> list[int]:
     axis = names.index(mesh_axis) if isinstance(mesh_axis, str) else mesh_axis
     grid = mesh.mesh.movedim(axis, -1).reshape(-1, mesh.mesh.shape[axis])
     return [int(r) for r in grid[0].tolist()]
+
+
+def seeded_randn(shape: Sequence[int], seed: int, dtype: torch.dtype = torch.float64
+                 ) -> torch.Tensor:
+    """A standard-normal tensor from its own generator, made once on one device (also
+    inside a simulated mesh), drawn in float64 and then cast, so every dtype sees the same
+    values."""
+    with single_device():
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(tuple(shape), generator=gen, dtype=torch.float64).to(dtype)
+
+
+def sharded(mesh: DeviceMesh, full: torch.Tensor, dim: int = 2
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `Shard(dim)` DTensor of `full` on a 1-D mesh, and its local leaf (for its grad)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world = mesh.size()
+    local = rank_map(mesh, lambda r: shard(full, dim, world, r).clone()).requires_grad_()
+    return DTensor.from_local(local, mesh, [Shard(dim)], shape=full.shape,
+                              stride=full.stride()), local
+
+
+def unhooked(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `module` with every halo removed: its single-device twin."""
+    import copy
+
+    from haloshard._styles import halo_handles
+
+    clone = copy.deepcopy(module)
+    for handle in halo_handles(clone).values():
+        handle.remove()
+    return clone
+
+
+def module_reference(module: torch.nn.Module, full: torch.Tensor, seed: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Single-device output, upstream gradient (drawn with `seed`), input gradient and
+    parameter gradients of `module`'s twin without halos."""
+    with single_device():
+        twin = unhooked(module)
+        x = full.clone().requires_grad_()
+        y = twin(x)
+        gy = seeded_randn(y.shape, seed)
+        (y * gy).sum().backward()
+        grads = [p.grad for p in twin.parameters()]
+    assert x.grad is not None
+    return y.detach(), gy, x.grad, grads  # type: ignore[return-value]
+
+
+def check_module(
+    mesh: DeviceMesh, module: torch.nn.Module, full: torch.Tensor, seed: int,
+    run: Callable[[Any], Any] | None = None, *, atol: float = 1e-12, rtol: float = 1e-10,
+) -> None:
+    """A parallelized module against its single-device twin, on a 1-D mesh along dim 2.
+
+    Checks the `Shard(2)` output, the input gradient and the parameter gradients summed
+    over ranks (`reduce_grads`), for an upstream gradient drawn with `seed`. The default
+    tolerance is for float64 sums taken in another order; a misplaced slice is O(1).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    from haloshard._styles import reduce_grads
+
+    world, tol = mesh.size(), {"atol": atol, "rtol": rtol}
+    y_ref, gy, gx, grads = module_reference(module, full, seed)
+    x, local = sharded(mesh, full)
+    y = (run or module)(x)
+    assert isinstance(y, DTensor) and y.placements == (Shard(2),), y
+    assert y.shape == y_ref.shape, (y.shape, y_ref.shape)
+    assert_close_per_rank(y.to_local(), lambda r: shard(y_ref, 2, world, r), mesh, **tol)
+    (y.to_local() * rank_map(mesh, lambda r: shard(gy, 2, world, r))).sum().backward()
+    assert_close_per_rank(local.grad, lambda r: shard(gx, 2, world, r), mesh, **tol)
+    reduce_grads(module, mesh)
+    for p, g in zip(module.parameters(), grads, strict=True):
+        assert_close_per_rank(p.grad, lambda r, g=g: g, mesh, **tol)
