@@ -355,6 +355,27 @@ def case_model(mesh: DeviceMesh, length: int, seed: int, size: int = 4, ch: int 
         assert_close_per_rank(got_g, lambda r, g=ref_g: g, mesh, **TOL)
 
 
+def case_model_float32(mesh: DeviceMesh, length: int, seed: int) -> None:
+    """The example VAE in float32 against the single-device float32 run.
+
+    Tolerance 1e-4 (relative and absolute, values are O(1)): both runs round every conv's
+    sums of ~10^2-10^3 products (float32 eps 1.2e-7) in their own order, through ~20 layers
+    and the normalisations' reciprocals; a misplaced or missing frame shows as O(1) error.
+    """
+    world = mesh.size()
+    with single_device():
+        model, full = vae.make(length, 4, seed, ch=4)
+        model, full = model.float(), full.float()
+    ref = vae.reference(model, full, seed + 1)
+    parallelize_module(model, mesh, vae.cp_plan(model))
+    got = vae.sharded(model, mesh, full, ref)
+    tol = {"atol": 1e-4, "rtol": 1e-4}
+    assert_close_per_rank(got["y"], lambda r: shard(ref["y"], 2, world, r), mesh, **tol)
+    assert_close_per_rank(got["gx"], lambda r: shard(ref["gx"], 2, world, r), mesh, **tol)
+    for got_g, ref_g in zip(got["grads"], ref["grads"], strict=True):
+        assert_close_per_rank(got_g, lambda r, g=ref_g: g, mesh, **tol)
+
+
 # ---------------------------------------------------------------- pure arithmetic
 @pytest.mark.parametrize("direction", ["down", "up"])
 @pytest.mark.parametrize("factor", [1, 2, 3])
@@ -405,6 +426,12 @@ def test_model_simulated() -> None:
         case_model(mesh, 11, 8)
 
 
+@pytest.mark.simulated
+def test_model_float32_simulated() -> None:
+    with simulated_mesh(4) as mesh:
+        case_model_float32(mesh, 10, 9)
+
+
 # ---------------------------------------------------------------- gloo processes
 def on_gloo(lengths: tuple[int, ...], model_lengths: tuple[int, ...]) -> None:
     mesh = worker_mesh(dist.get_world_size())
@@ -414,6 +441,7 @@ def on_gloo(lengths: tuple[int, ...], model_lengths: tuple[int, ...]) -> None:
     case_errors(mesh, 6)
     for length in model_lengths:
         case_model(mesh, length, 8)
+    case_model_float32(mesh, model_lengths[0], 9)
 
 
 @pytest.mark.gloo
