@@ -372,8 +372,10 @@ def case_model_float32(mesh: DeviceMesh, length: int, seed: int) -> None:
     tol = {"atol": 1e-4, "rtol": 1e-4}
     assert_close_per_rank(got["y"], lambda r: shard(ref["y"], 2, world, r), mesh, **tol)
     assert_close_per_rank(got["gx"], lambda r: shard(ref["gx"], 2, world, r), mesh, **tol)
+    # A parameter gradient sums ~10^3-10^4 O(1) products over every frame and pixel, split
+    # over P ranks and added up in another order: its absolute error grows with that count.
     for got_g, ref_g in zip(got["grads"], ref["grads"], strict=True):
-        assert_close_per_rank(got_g, lambda r, g=ref_g: g, mesh, **tol)
+        assert_close_per_rank(got_g, lambda r, g=ref_g: g, mesh, atol=2e-3, rtol=1e-4)
 
 
 # ---------------------------------------------------------------- pure arithmetic
