@@ -30,6 +30,7 @@ from haloshard._hooks import annotate, annotation_of, attach, resolve
 from haloshard._specs import ResampleStencil
 from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
 from haloshard.testing import (
+    CausalConv3d,
     assert_close_per_rank,
     check_module,
     module_reference,
@@ -56,16 +57,6 @@ def _seeded(module: nn.Module, seed: int) -> nn.Module:
     return module
 
 
-class CausalConv3d(nn.Module):
-    """A causal video-VAE conv: replicate-pads T by k - 1 itself, then a conv with no T pad."""
-
-    def __init__(self, channels: int, k: int = 3) -> None:
-        super().__init__()
-        self.k = k
-        self.conv = nn.Conv3d(channels, channels, (k, 3, 3), padding=(0, 1, 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.pad(x, (0, 0, 0, 0, self.k - 1, 0), mode="replicate"))
 
 
 class CatCausalConv3d(nn.Module):

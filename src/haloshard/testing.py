@@ -387,3 +387,16 @@ def check_module(
     reduce_grads(module, mesh)
     for p, g in zip(module.parameters(), grads, strict=True):
         assert_close_per_rank(p.grad, lambda r, g=g: g, mesh, **tol)
+
+
+class CausalConv3d(torch.nn.Module):
+    """A causal video-VAE conv, as models write it: replicate-pads T by k - 1 itself, then a
+    conv with no T padding. Annotate it with `HaloShard(2, left=k - 1, pad="replicate")`."""
+
+    def __init__(self, channels: int, k: int = 3) -> None:
+        super().__init__()
+        self.k = k
+        self.conv = torch.nn.Conv3d(channels, channels, (k, 3, 3), padding=(0, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, (0, 0, 0, 0, self.k - 1, 0), mode="replicate"))
