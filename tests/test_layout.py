@@ -94,3 +94,18 @@ def test_plan_multi_hop() -> None:
     plan = exchange_plan(2, (2, 2, 1, 0), 3, 0, "zeros")
     assert plan.recv_splits == (1, 2, 0, 0)
     assert plan.left_idx == (0, 1, 2)
+
+
+def test_lenient_pads_match_within_range_and_zero_beyond() -> None:
+    """The hooks' internal reflect/circular variants: F.pad's values wherever F.pad is
+    defined, zeros (None) beyond one reflection or wrap."""
+    from haloshard._layout import padded_source
+
+    for index in range(-2, 5):  # reflect on T=3 is defined for |overshoot| < 3
+        assert padded_source(index, 3, "reflect-or-zeros") == padded_source(index, 3, "reflect")
+    assert padded_source(-3, 3, "reflect-or-zeros") is None
+    assert padded_source(5, 3, "reflect-or-zeros") is None
+    for index in range(-3, 6):
+        assert padded_source(index, 3, "circular-or-zeros") == index % 3
+    assert padded_source(-4, 3, "circular-or-zeros") is None
+    assert padded_source(6, 3, "circular-or-zeros") is None

@@ -21,7 +21,7 @@ from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from haloshard import _comm
 from haloshard._comm import Group, GroupLike
 from haloshard._errors import HaloError
-from haloshard._layout import PAD_MODES, check_pad_fits, shard_sizes
+from haloshard._layout import LENIENT_PADS, PAD_MODES, check_pad_fits, shard_sizes
 from haloshard._plan import exchange_plan
 
 TRANSPORTS: tuple[str, ...] = ("all_to_all", "p2p", "allgather")
@@ -47,7 +47,7 @@ def _local_problem(
         return f"dim {dim!r} is out of range for a {x.ndim}-D tensor"
     if x.ndim > _MAX_DIMS:
         return f"tensors of at most {_MAX_DIMS} dims are supported, got {x.ndim}"
-    if pad not in PAD_MODES:
+    if pad not in PAD_MODES + LENIENT_PADS:
         return f"pad must be one of {PAD_MODES}, got {pad!r}"
     if transport not in TRANSPORTS:
         return f"transport must be one of {TRANSPORTS} or None, got {transport!r}"
@@ -68,7 +68,8 @@ def _meta_row(
 ) -> torch.Tensor:
     d = _as_int(dim) % max(x.ndim, 1) if not error else _as_int(dim)
     sizes = [-1 if i == d else s for i, s in enumerate(x.shape[:_MAX_DIMS])]
-    row = [int(error), x.ndim, d, _as_int(left), _as_int(right), _code(pad, PAD_MODES),
+    pads = PAD_MODES + LENIENT_PADS
+    row = [int(error), x.ndim, d, _as_int(left), _as_int(right), _code(pad, pads),
            _code(transport, TRANSPORTS), _code(x.dtype, _DTYPES), int(x.requires_grad),
            x.shape[d] if not error else -1, *sizes, *[-1] * (_MAX_DIMS - len(sizes))]
     return torch.tensor(row, dtype=torch.int64, device=x.device)

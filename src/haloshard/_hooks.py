@@ -393,12 +393,24 @@ def _pick(rank: int, *columns: tuple[int, ...]) -> list[int]:
     return [column[rank] for column in columns]
 
 
+def _exchange_pad(pad: str, plan: WindowPlan) -> str:
+    """The pad mode to exchange with: every rank gets the widest rank's halo, which for a
+    short global length can exceed what reflect / circular can fill, although no window reads
+    past the layer's own padding (the single-device layer accepts it). Those unread slices
+    are then zeros."""
+    widest = max(plan.left, plan.right)
+    if (pad == "reflect" and widest >= plan.length) or (pad == "circular"
+                                                         and widest > plan.length):
+        return f"{pad}-or-zeros"
+    return pad
+
+
 def _window(site: _Site, plan: WindowPlan, annotation: Annotation) -> torch.Tensor:
     """Exchange the halo, fill beyond the global ends if needed, cut this rank's window."""
     stencil, dim = annotation.stencil, annotation.dim
     rank = site.mesh.get_local_rank(site.axis)
     x = halo_exchange(site.local, plan.left, plan.right, dim, (site.mesh, site.axis),
-                      pad=stencil.pad, global_length=plan.length)
+                      pad=_exchange_pad(stencil.pad, plan), global_length=plan.length)
     if stencil.fill is not None and plan.left + plan.right:
         outside = _outside(rank, plan.length, site.mesh.size(site.axis), plan.left,
                            plan.right, x.ndim, dim, x.device)

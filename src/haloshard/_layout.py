@@ -17,6 +17,10 @@ from haloshard._errors import HaloError
 
 PadMode = Literal["zeros", "replicate", "reflect", "circular"]
 PAD_MODES: tuple[str, ...] = ("zeros", "replicate", "reflect", "circular")
+# Internal: like reflect / circular, with zeros beyond one reflection / wrap. The hooks use
+# them when a layer's shared halo is wider than those modes allow but no window reads past
+# the single-device padding.
+LENIENT_PADS: tuple[str, ...] = ("reflect-or-zeros", "circular-or-zeros")
 
 
 def shard_size_and_offset(length: int, num_chunks: int, rank: int) -> tuple[int, int]:
@@ -47,7 +51,7 @@ def check_pad_fits(length: int, left: int, right: int, pad: str) -> None:
     `circular` at most the global length, `replicate` a non-empty tensor.
     """
     widest = max(left, right)
-    if widest == 0 or pad == "zeros":
+    if widest == 0 or pad == "zeros" or pad in LENIENT_PADS:
         return
     if pad == "reflect" and widest >= length:
         raise HaloError(
@@ -78,9 +82,16 @@ def padded_source(index: int, length: int, pad: str) -> int | None:
         return None
     if pad == "replicate":
         return min(max(index, 0), length - 1)
-    if pad == "reflect":
-        return -index if index < 0 else 2 * (length - 1) - index
-    return index % length
+    if pad.startswith("reflect"):
+        source = -index if index < 0 else 2 * (length - 1) - index
+    else:
+        source = index % length if -length <= index < 2 * length else -1
+    if 0 <= source < length:
+        return source
+    # Beyond one reflection / wrap: only the internal "...-or-zeros" modes get here (their
+    # callers read none of these slices); the public modes are checked by check_pad_fits.
+    assert pad in LENIENT_PADS, (index, length, pad)
+    return None
 
 
 @dataclass(frozen=True)
