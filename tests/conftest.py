@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
+from hypothesis import settings
 
 from haloshard.testing import GlooWorld
+
+# CI draws the same examples every run (a red CI is then reproducible); a developer's run
+# explores new ones each time.
+settings.register_profile("ci", derandomize=True)
+settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ from haloshard import _comm
 from haloshard._conv import halo_conv
 from haloshard._errors import HaloError
 from haloshard._exchange import halo_exchange
-from haloshard._layout import HaloShard, shard_size_and_offset
+from haloshard._layout import HaloShard, check_pad_fits, shard_size_and_offset
 from haloshard._specs import (
     _CONVS,
     DERIVABLE,
@@ -393,16 +393,24 @@ def _pick(rank: int, *columns: tuple[int, ...]) -> list[int]:
     return [column[rank] for column in columns]
 
 
-def _exchange_pad(pad: str, plan: WindowPlan) -> str:
-    """The pad mode to exchange with: every rank gets the widest rank's halo, which for a
-    short global length can exceed what reflect / circular can fill, although no window reads
-    past the layer's own padding (the single-device layer accepts it). Those unread slices
-    are then zeros."""
-    widest = max(plan.left, plan.right)
-    if (pad == "reflect" and widest >= plan.length) or (pad == "circular"
-                                                         and widest > plan.length):
-        return f"{pad}-or-zeros"
-    return pad
+def _exchange_pad(stencil: Stencil, plan: WindowPlan) -> str:
+    """The pad mode to exchange with.
+
+    Every rank gets the widest rank's halo, which for a short global length can exceed what
+    reflect / circular can fill although no window reads past the layer's own padding. When
+    that padding itself fits (the single-device layer accepts it), the unread slices are
+    exchanged as zeros; otherwise the exchange raises, as the single-device layer would.
+    """
+    pad, widest = stencil.pad, max(plan.left, plan.right)
+    too_wide = (pad == "reflect" and widest >= plan.length) or (
+        pad == "circular" and widest > plan.length)
+    if not too_wide or not isinstance(stencil, ConvStencil):
+        return pad
+    try:
+        check_pad_fits(plan.length, stencil.pad_left, stencil.pad_right, pad)
+    except HaloError:
+        return pad
+    return f"{pad}-or-zeros"
 
 
 def _window(site: _Site, plan: WindowPlan, annotation: Annotation) -> torch.Tensor:
@@ -410,7 +418,7 @@ def _window(site: _Site, plan: WindowPlan, annotation: Annotation) -> torch.Tens
     stencil, dim = annotation.stencil, annotation.dim
     rank = site.mesh.get_local_rank(site.axis)
     x = halo_exchange(site.local, plan.left, plan.right, dim, (site.mesh, site.axis),
-                      pad=_exchange_pad(stencil.pad, plan), global_length=plan.length)
+                      pad=_exchange_pad(stencil, plan), global_length=plan.length)
     if stencil.fill is not None and plan.left + plan.right:
         outside = _outside(rank, plan.length, site.mesh.size(site.axis), plan.left,
                            plan.right, x.ndim, dim, x.device)
