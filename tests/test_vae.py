@@ -11,7 +11,6 @@ ulps of the output's scale (|y| < 4: 2 * 2**-8 * 4): it computes in float32 and 
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -40,11 +39,12 @@ from haloshard._layer_styles import (
     LocalParallel,
 )
 from haloshard._specs import plan_windows
-from haloshard._styles import halo_handles, reduce_grads
+from haloshard._styles import halo_handles
 from haloshard.testing import (
     assert_close_per_rank,
-    rank_map,
+    check_module,
     shard,
+    sharded,
     simulated_mesh,
     single_device,
     worker_mesh,
@@ -83,40 +83,10 @@ def _seeded(module: nn.Module, seed: int) -> nn.Module:
     return module
 
 
-def _shard_dt(mesh: DeviceMesh, full: torch.Tensor) -> tuple[DTensor, torch.Tensor]:
-    world = mesh.size()
-    local = rank_map(mesh, lambda r: shard(full, 2, world, r).clone()).requires_grad_()
-    return DTensor.from_local(local, mesh, [Shard(2)], shape=full.shape,
-                              stride=full.stride()), local
 
 
-def _reference(module: nn.Module, full: torch.Tensor, seed: int) -> dict[str, Any]:
-    with single_device():
-        ref = copy.deepcopy(module)
-        for handle in halo_handles(ref).values():
-            handle.remove()
-        x = full.clone().requires_grad_()
-        y = ref(x)
-        gy = _data(tuple(y.shape), seed, y.dtype)
-        (y * gy).sum().backward()
-    return {"y": y.detach(), "gy": gy, "gx": x.grad, "grads": [p.grad for p in ref.parameters()]}
 
 
-def _check(mesh: DeviceMesh, module: nn.Module, full: torch.Tensor, seed: int,
-           tol: dict[str, float] = TOL) -> None:
-    """Forward, input gradient and summed parameter gradients against the reference."""
-    world = mesh.size()
-    ref = _reference(module, full, seed)
-    x, local = _shard_dt(mesh, full)
-    y = module(x)
-    assert isinstance(y, DTensor) and y.placements == (Shard(2),), y
-    assert y.shape == ref["y"].shape, (y.shape, ref["y"].shape)
-    assert_close_per_rank(y.to_local(), lambda r: shard(ref["y"], 2, world, r), mesh, **tol)
-    (y.to_local() * rank_map(mesh, lambda r: shard(ref["gy"], 2, world, r))).sum().backward()
-    assert_close_per_rank(local.grad, lambda r: shard(ref["gx"], 2, world, r), mesh, **tol)
-    reduce_grads(module, mesh)
-    for p, g in zip(module.parameters(), ref["grads"], strict=True):
-        assert_close_per_rank(p.grad, lambda r, g=g: g, mesh, **tol)
 
 
 # ---------------------------------------------------------------- layer cases
@@ -203,7 +173,7 @@ def case_layers(mesh: DeviceMesh, lengths: tuple[int, ...], seed: int) -> None:
             for fqn, entry in plan.items():
                 parallelize_module(module.get_submodule(fqn), mesh, entry)
             try:
-                _check(mesh, module, full, seed + 2)
+                check_module(mesh, module, full, seed + 2, **TOL)
             except (AssertionError, RuntimeError) as exc:
                 raise type(exc)(f"{name}, T={length}: {exc}") from exc
 
@@ -216,7 +186,7 @@ def case_group_norm_bf16(mesh: DeviceMesh, length: int, seed: int) -> None:
         full = _data((2, 6, length, 3, 2), seed + 1) * 3 + 5  # offset: naive sums cancel
         expected = gn(full).detach()
     parallelize_module(gn.bfloat16(), mesh, GroupNormParallel())
-    x, _ = _shard_dt(mesh, full.bfloat16())
+    x, _ = sharded(mesh, full.bfloat16())
     y = gn(x)
     assert y.dtype == torch.bfloat16 and y.placements == (Shard(2),)
     assert_close_per_rank(y.to_local(), lambda r: shard(expected, 2, world, r).bfloat16(),
@@ -255,7 +225,7 @@ def case_spatial_ops(mesh: DeviceMesh, length: int, seed: int) -> None:
     for name, op in SPATIAL_OPS.items():
         with single_device():
             expected = op(full)
-        x, _ = _shard_dt(mesh, full)
+        x, _ = sharded(mesh, full)
         with CommDebugMode() as comm:
             y = op(x)
             y.to_local().sum().backward()
@@ -268,7 +238,7 @@ def case_spatial_ops(mesh: DeviceMesh, length: int, seed: int) -> None:
     frame = _seeded(vae.FrameNorm(4, 2), seed)
     parallelize_module(gn, mesh, GroupNormParallel())
     parallelize_module(frame, mesh, LocalParallel())
-    x, _ = _shard_dt(mesh, full)
+    x, _ = sharded(mesh, full)
     with CommDebugMode() as comm:
         frame(x)
     assert comm.get_total_counts() == 0, comm.get_comm_counts()
@@ -298,17 +268,17 @@ def case_errors(mesh: DeviceMesh, seed: int) -> None:
     wrong = _seeded(CausalConv(3, 2, pad="zeros"), seed)
     parallelize_module(wrong, mesh, CausalConvParallel())
     with pytest.raises(HaloError, match="pads dim 2 by \\(2, 0\\) with mode='constant'"):
-        wrong(_shard_dt(mesh, _data((1, 2, 5, 1, 3), seed))[0])
+        wrong(sharded(mesh, _data((1, 2, 5, 1, 3), seed))[0])
     # an attention block whose norm is not planned would use local statistics
     attn = _seeded(vae.Attention(4, 2), seed)
     parallelize_module(attn, mesh, AttentionParallel())
     with pytest.raises(HaloError, match="GroupNormParallel entry"):
-        attn(_shard_dt(mesh, full)[0])
+        attn(sharded(mesh, full)[0])
     # a hand-written attention (no SDPA call) would attend to local tokens only
     manual = _seeded(ManualAttention(), seed)
     parallelize_module(manual, mesh, AttentionParallel())
     with pytest.raises(HaloError, match="called it 0 times"):
-        manual(_shard_dt(mesh, full)[0])
+        manual(sharded(mesh, full)[0])
     with pytest.raises(HaloError, match="direction"):
         FirstFrameParallel(2, "sideways")  # type: ignore[arg-type]
 
@@ -337,7 +307,7 @@ def case_remove(mesh: DeviceMesh, length: int, seed: int) -> None:
         handle.remove()
     assert {n: dict(vars(m)) for n, m in model.named_modules()} == before
     parallelize_module(model, mesh, vae.cp_plan(model))
-    x, _ = _shard_dt(mesh, full)
+    x, _ = sharded(mesh, full)
     assert model(x).placements == (Shard(2),)
 
 
