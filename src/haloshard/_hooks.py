@@ -45,6 +45,7 @@ from haloshard._exchange import halo_exchange
 from haloshard._layout import HaloShard, check_pad_fits, shard_size_and_offset
 from haloshard._specs import (
     _CONVS,
+    _TRANSPOSED,
     DERIVABLE,
     STENCILS,
     ConvStencil,
@@ -58,7 +59,6 @@ from haloshard._specs import (
 )
 
 _ANNOTATION = "_haloshard_annotation"
-_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _HANDLE = "_haloshard_handle"
 # True while a halo module's forward runs: halo modules nested in it pass through.
 class _Flag:
