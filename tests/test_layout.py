@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from haloshard import PAD_MODES, HaloError, HaloShard, shard_sizes
-from haloshard._plan import exchange_plan
+from haloshard._plan import exchange_plan, halo_fill
 from haloshard.testing import reference_pad
 
 
@@ -87,6 +87,49 @@ def test_plan_sends_match_receives(length: int, world: int, left: int, right: in
             assert plans[q].send_splits[p] == plans[p].recv_splits[q]
         assert len(plans[p].left_idx) == left and len(plans[p].right_idx) == right
         assert len(plans[p].gather_pick) == sum(plans[p].recv_splits)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    length=st.integers(0, 12), world=st.integers(1, 5), left=st.integers(0, 6),
+    right=st.integers(0, 6), pad=st.sampled_from(("zeros", "replicate", "circular")),
+    gap=st.integers(0, 5), rank=st.integers(0, 4),
+)
+def test_fill_writes_what_the_halo_indices_pick(length: int, world: int, left: int,
+                                                right: int, pad: str, gap: int,
+                                                rank: int) -> None:
+    """Writing each received slice once, own slices, repeats and zeros into a buffer gives
+    the halos `left_idx` / `right_idx` pick out of `recv ++ own ++ zero`, and the backward
+    positions add every halo position's gradient into exactly its source slot."""
+    if (pad != "zeros" and length == 0) or (pad == "circular" and max(left, right) > length):
+        return
+    plan = exchange_plan(rank % world, shard_sizes(length, world), left, right, pad)
+    fill = halo_fill(plan, gap)
+    n_recv, own = sum(plan.recv_splits), list(plan.self_idx)
+    source = [f"recv{j}" for j in range(n_recv)] + [f"own{i}" for i in own] + ["0"]
+    buf: list[str | None] = [None] * (left + gap + right)
+    for pos, j in zip(fill.recv_pos, range(n_recv), strict=True):
+        buf[pos] = f"recv{j}"
+    for pos, i in zip(fill.own_pos, fill.own_src, strict=True):
+        buf[pos] = f"own{i}"
+    for pos in fill.zero_pos:
+        buf[pos] = "0"
+    for pos, j in zip(fill.dup_recv_pos, fill.dup_recv_slot, strict=True):
+        buf[pos] = f"recv{j}"
+    for pos, i in zip(fill.dup_own_pos, fill.dup_own_src, strict=True):
+        buf[pos] = f"own{i}"
+    assert buf[:left] == [source[k] for k in plan.left_idx]
+    assert buf[left + gap :] == [source[k] for k in plan.right_idx]
+    assert buf[left : left + gap] == [None] * gap  # the chunk's part is not touched
+    slots = (list(zip(fill.recv_pos, range(n_recv), strict=True))
+             + list(zip(fill.dup_recv_pos, fill.dup_recv_slot, strict=True))
+             + [(p, n_recv + k) for p, k in zip(fill.own_pos, range(len(own)), strict=True)]
+             + [(p, n_recv + k) for p, k in zip(fill.dup_own_pos, fill.dup_own_slot,
+                                                  strict=True)])
+    halo = [*range(left), *range(left + gap, left + gap + right)]
+    wanted = [(pos, k) for pos, k in zip(halo, plan.left_idx + plan.right_idx, strict=True)
+              if k < n_recv + len(own)]
+    assert sorted(slots) == sorted(wanted)
 
 
 def test_plan_multi_hop() -> None:

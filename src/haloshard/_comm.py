@@ -5,6 +5,11 @@ resolved once into a `Group`: group-local rank and size (symbolic per-rank ints 
 `LocalTensorMode`), the ProcessGroup, and the form functional collectives accept. Peers are
 group-local ranks; P2P converts them to global ranks with `dist.get_global_rank`, so a `cp`
 sub-mesh of a `(dp, cp)` mesh works.
+
+The exchange's own moves (`start_all_to_all`, `start_p2p`) return a `Pending`: plain eager
+tensors go through c10d's async calls (no functional-collective wrapper on the hot path);
+traced, fake and simulated tensors through functional collectives, which torch.compile and
+LocalTensorMode understand.
 """
 
 from __future__ import annotations
@@ -99,10 +104,35 @@ def resolve_group(group: GroupLike) -> Group:
     )
 
 
+def _eager(buf: torch.Tensor) -> bool:
+    """Plain tensors in eager mode take c10d's own async calls (a `Work` to wait on); traced,
+    fake and simulated (`LocalTensorMode`) tensors take functional collectives."""
+    return (type(buf) is torch.Tensor and not torch.compiler.is_compiling()
+            and enabled_local_tensor_mode() is None)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A collective in flight: `wait()` returns its result once it has arrived."""
+
+    tensor: torch.Tensor
+    works: tuple[Any, ...] = ()
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.tensor
+
+
 def gather_ints(values: torch.Tensor, group: Group) -> list[list[int]]:
     """All-gather one small int64 vector per rank; every rank gets every rank's row."""
     try:
-        flat = funcol.all_gather_single(values, 0, group.funcol_group).tolist()
+        if _eager(values):
+            out = values.new_empty(group.size * values.numel())
+            dist.all_gather_single(out, values, group=group.pg)
+            flat = out.tolist()
+        else:
+            flat = funcol.all_gather_single(values, 0, group.funcol_group).tolist()
     except RuntimeError as exc:  # gloo/nccl timeouts and broken groups (DistBackendError)
         raise HaloError(
             "the halo metadata exchange did not complete: another rank of the group did not "
@@ -113,11 +143,26 @@ def gather_ints(values: torch.Tensor, group: Group) -> list[list[int]]:
     return [flat[i * n : (i + 1) * n] for i in range(group.size)]
 
 
+def start_all_to_all(
+    buf: torch.Tensor, recv_splits: list[Any], send_splits: list[Any], group: Group
+) -> Pending:
+    """Start an all-to-all along dim 0 with per-peer split sizes (zero: no bytes to that
+    peer). The receive buffer is allocated uninitialised: the collective fills all of it."""
+    if not _eager(buf):
+        return Pending(funcol.all_to_all_single(buf, recv_splits, send_splits,
+                                                group.funcol_group))
+    buf = buf.contiguous()
+    out = buf.new_empty((sum(recv_splits), *buf.shape[1:]))
+    work = dist.all_to_all_single(out, buf, list(recv_splits), list(send_splits),
+                                  group=group.pg, async_op=True)
+    return Pending(out, (work,))
+
+
 def all_to_all(
     buf: torch.Tensor, recv_splits: list[Any], send_splits: list[Any], group: Group
 ) -> torch.Tensor:
-    """All-to-all along dim 0 with per-peer split sizes (zero: no bytes to that peer)."""
-    return funcol.all_to_all_single(buf, recv_splits, send_splits, group.funcol_group)
+    """All-to-all along dim 0 with per-peer split sizes, waited for."""
+    return start_all_to_all(buf, recv_splits, send_splits, group).wait()
 
 
 def all_gather(buf: torch.Tensor, group: Group) -> torch.Tensor:
@@ -130,9 +175,9 @@ def reduce_scatter(buf: torch.Tensor, group: Group) -> torch.Tensor:
     return funcol.reduce_scatter_single(buf, "sum", 0, group.funcol_group)
 
 
-def p2p(
+def start_p2p(
     buf: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: Group
-) -> torch.Tensor:
+) -> Pending:
     """The all-to-all move done with `batch_isend_irecv`; eager, real groups only.
 
     Send buffers are contiguous chunks of one buffer: gloo rejects strided sends, and a
@@ -151,7 +196,7 @@ def p2p(
     buf = buf.contiguous()
     out = buf.new_empty((sum(recv_splits), *buf.shape[1:]))
     if buf.shape[1:].numel() == 0:
-        return out
+        return Pending(out)
     ops = [
         dist.P2POp(dist.isend, chunk, group=group.pg, group_peer=peer)
         for peer, chunk in enumerate(buf.split(send_splits))
@@ -161,10 +206,7 @@ def p2p(
         for peer, chunk in enumerate(out.split(recv_splits))
         if chunk.shape[0]
     ]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return out
+    return Pending(out, tuple(dist.batch_isend_irecv(ops)) if ops else ())
 
 
 def all_reduce_sum(buf: torch.Tensor, group: Group) -> torch.Tensor:

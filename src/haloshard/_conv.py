@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from haloshard._comm import GroupLike
+from haloshard._comm import GroupLike, Pending
 from haloshard._errors import HaloError
-from haloshard._exchange import HaloMove, prepare_halo
+from haloshard._exchange import HaloMove, empty_like_layout, prepare_halo
 
 _conv = torch.ops.aten.convolution.default
 _conv_backward = torch.ops.aten.convolution_backward.default
@@ -64,36 +64,39 @@ class _HaloConv(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         move: HaloMove, args: _ConvArgs,
     ) -> torch.Tensor:
-        dim, reach, length = args.dim, args.reach, x.shape[args.dim]
+        dim, left, length = args.dim, args.left, x.shape[args.dim]
         moved = move.start(x)
-        interior = args.conv(x, weight) if args.split else None
-        halo_left, halo_right = move.halos(x, moved)
         if args.split:
-            # A side without halo (causal: right=0) has no boundary outputs: an empty window.
-            windows = (torch.cat([halo_left, x.narrow(dim, 0, reach)], dim) if args.left
-                       else x.narrow(dim, 0, 0),
-                       torch.cat([x.narrow(dim, length - reach, reach), halo_right], dim)
-                       if args.right else x.narrow(dim, 0, 0))
-            none = interior.narrow(dim, 0, 0)
-            y = torch.cat([args.conv(windows[0], weight) if args.left else none, interior,
-                           args.conv(windows[1], weight) if args.right else none], dim)
+            interior = args.conv(x, weight)
+            buf = _edge_windows(x, move, moved, args)
+            # A side without halo (causal: right=0) has no boundary outputs and no window.
+            y = torch.cat([*([args.conv(_window(buf, args, 0), weight)] if left else []),
+                           interior,
+                           *([args.conv(_window(buf, args, 1), weight)] if args.right else [])],
+                          dim)
         else:
             # An empty chunk would ask the conv for zero outputs, which it refuses: one zero
             # slice more gives it one output, dropped again (and its gradient is zero).
-            windows = (torch.cat([halo_left, x, halo_right, _spare(x, dim)], dim),)
-            y = args.conv(windows[0], weight).narrow(dim, 0, length)
+            spare = torch.sym_max(0, 1 - length)
+            shape = list(x.shape)
+            shape[dim] = left + length + args.right + spare
+            buf = empty_like_layout(x, shape)
+            buf.narrow(dim, left, length).copy_(x)
+            buf.narrow(dim, left + length + args.right, spare).zero_()
+            move.fill(buf, x, moved)
+            y = args.conv(buf, weight).narrow(dim, 0, length)
         if bias is not None:
             y = y + bias.view(1, -1, *([1] * (y.ndim - 2)))
-        ctx.save_for_backward(x, weight, *windows)
+        ctx.save_for_backward(x, weight, buf)
         ctx.move, ctx.args, ctx.has_bias = move, args, bias is not None
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, weight, *windows = ctx.saved_tensors
+        x, weight, buf = ctx.saved_tensors
         args: _ConvArgs = ctx.args
         g_x, g_w = (_split_backward if args.split else _whole_backward)(
-            grad, x, weight, windows, ctx.move, args)
+            grad, x, weight, buf, ctx.move, args)
         g_b = grad.sum([d for d in range(grad.ndim) if d != 1]) if ctx.has_bias else None
         return g_x, g_w, g_b, None, None
 
@@ -105,37 +108,66 @@ def _spare(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.new_zeros(shape)
 
 
+def _gap(args: _ConvArgs) -> int:
+    """The chunk slices between the halos in the edge-window buffer: `reach` per side."""
+    return args.reach * (bool(args.left) + bool(args.right))
+
+
+def _edge_windows(x: torch.Tensor, move: HaloMove, moved: Pending, args: _ConvArgs
+                  ) -> torch.Tensor:
+    """`[left halo ++ first reach slices] ++ [last reach slices ++ right halo]` in one thin
+    buffer (a side without halo left out): the boundary outputs' inputs, halos filled in
+    place once they arrive."""
+    dim, reach, left, gap, length = args.dim, args.reach, args.left, _gap(args), x.shape[
+        args.dim]
+    shape = list(x.shape)
+    shape[dim] = left + gap + args.right
+    buf = empty_like_layout(x, shape)
+    if left:
+        buf.narrow(dim, left, reach).copy_(x.narrow(dim, 0, reach))
+    if args.right:
+        buf.narrow(dim, left + gap - reach, reach).copy_(x.narrow(dim, length - reach, reach))
+    move.fill(buf, x, moved, gap)
+    return buf
+
+
+def _window(buf: torch.Tensor, args: _ConvArgs, side: int) -> torch.Tensor:
+    """The left (side 0) or right (side 1) boundary window of `_edge_windows`' buffer."""
+    if side == 0:
+        return buf.narrow(args.dim, 0, args.left + args.reach)
+    return buf.narrow(args.dim, args.left + _gap(args) - args.reach, args.reach + args.right)
+
+
 def _split_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                    windows: list[torch.Tensor], move: HaloMove, args: _ConvArgs
+                    buf: torch.Tensor, move: HaloMove, args: _ConvArgs
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     dim, left, right, reach, length = args.dim, args.left, args.right, args.reach, x.shape[
         args.dim]
-    sides = []  # (window gradient, its weight gradient), or None for a side without halo
-    for n, start, window in ((left, 0, windows[0]), (right, length - right, windows[1])):
-        sides.append(args.backward(grad.narrow(dim, start, n), window, weight) if n else None)
-    empty = x.narrow(dim, 0, 0)  # the zero-length halo of a side without one
-    moved, g_own = move.start_backward(
-        sides[0][0].narrow(dim, 0, left) if sides[0] else empty,
-        sides[1][0].narrow(dim, reach, right) if sides[1] else empty)
+    sides = []  # (window gradient, its weight gradient) per side with a halo
+    if left:
+        sides.append(args.backward(grad.narrow(dim, 0, left), _window(buf, args, 0), weight))
+    if right:
+        sides.append(args.backward(grad.narrow(dim, length - right, right),
+                                   _window(buf, args, 1), weight))
+    moved, g_own = move.start_backward(torch.cat([g for g, _ in sides], dim), _gap(args))
     g_x, g_w = args.backward(grad.narrow(dim, left, length - reach), x, weight)
-    if sides[0]:
+    if left:
         g_x.narrow(dim, 0, reach).add_(sides[0][0].narrow(dim, left, reach))
-        g_w = g_w + sides[0][1]
-    if sides[1]:
-        g_x.narrow(dim, length - reach, reach).add_(sides[1][0].narrow(dim, 0, reach))
-        g_w = g_w + sides[1][1]
+    if right:
+        g_x.narrow(dim, length - reach, reach).add_(sides[-1][0].narrow(dim, 0, reach))
+    for _, g_w_side in sides:
+        g_w = g_w + g_w_side
     move.fold(g_x, moved, g_own)
     return g_x, g_w
 
 
 def _whole_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                    windows: list[torch.Tensor], move: HaloMove, args: _ConvArgs
+                    buf: torch.Tensor, move: HaloMove, args: _ConvArgs
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     dim, left, length = args.dim, args.left, x.shape[args.dim]
-    g_win, g_w = args.backward(torch.cat([grad, _spare(grad, dim)], dim), windows[0], weight)
-    moved, g_own = move.start_backward(g_win.narrow(dim, 0, left),
-                                       g_win.narrow(dim, left + length, args.right))
-    g_x = g_win.narrow(dim, left, length).clone()
+    g_buf, g_w = args.backward(torch.cat([grad, _spare(grad, dim)], dim), buf, weight)
+    moved, g_own = move.start_backward(g_buf)
+    g_x = g_buf.narrow(dim, left, length).clone()
     move.fold(g_x, moved, g_own)
     return g_x, g_w
 

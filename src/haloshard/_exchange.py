@@ -3,14 +3,15 @@
 Three steps, each its own function: agree (every rank checks its arguments, then all ranks
 exchange a row of ints so a mistake on one rank raises `HaloError` on all of them and every
 rank learns every chunk length), move (the transport carries exactly the distinct remote halo
-slices), assemble (halos are indexed out of `recv ++ own slices ++ zero slice` and the output is
-one `cat`). Every step is a differentiable torch op, so autograd's backward is the exact
-adjoint: each halo slice's gradient is added into the slice it was copied from, on its owner.
+slices, while the interior is copied into a preallocated output), fill (each received slice is
+written once into its halo position). The backward is the explicit adjoint: each halo slice's
+gradient is summed per source slice, sent back and added, in place, into the slice it was copied
+from, on its owner.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any
 
@@ -22,7 +23,7 @@ from haloshard import _comm
 from haloshard._comm import Group, GroupLike
 from haloshard._errors import HaloError
 from haloshard._layout import LENIENT_PADS, PAD_MODES, check_pad_fits, shard_sizes
-from haloshard._plan import exchange_plan
+from haloshard._plan import exchange_plan, halo_fill
 
 TRANSPORTS: tuple[str, ...] = ("all_to_all", "p2p", "allgather")
 _DTYPES = (
@@ -130,18 +131,31 @@ def _check_lengths(lengths: tuple[int, ...], global_length: int | None, dim: int
                         f"Shard({dim}) splits the global length {total} as {list(expected)}")
 
 
+def _index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
 @lru_cache(maxsize=1024)
 def _plan_tensors(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device
 ) -> tuple[torch.Tensor, ...]:
     plan = exchange_plan(rank, lengths, left, right, pad)
-    idx = (plan.send_idx, plan.self_idx, plan.left_idx, plan.right_idx, plan.gather_idx,
-           plan.gather_pick)
-    return tuple(torch.tensor(i, dtype=torch.int64, device=device) for i in idx)
+    return tuple(_index(i, device) for i in (plan.send_idx, plan.gather_idx, plan.gather_pick))
+
+
+@lru_cache(maxsize=1024)
+def _fill_tensors(
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device,
+    gap: int | None,
+) -> tuple[torch.Tensor, ...]:
+    plan = exchange_plan(rank, lengths, left, right, pad)
+    fill = halo_fill(plan, lengths[rank] if gap is None else gap)
+    return tuple(_index(getattr(fill, f.name), device) for f in fields(fill))
 
 
 # Decorated once here: building the wrapper inside a compiled region breaks dynamo's guards.
 _rank_plan_tensors = maybe_run_for_local_tensor(_plan_tensors)
+_rank_fill_tensors = maybe_run_for_local_tensor(_fill_tensors)
 
 
 @maybe_run_for_local_tensor
@@ -167,8 +181,10 @@ class _Route:
     dim: int
     left: int
     right: int
+    pad: str
     transport: str
     group: Group
+    lengths: tuple[int, ...]
     recv_splits: list[Any]
     send_splits: list[Any]
     gather_pad: Any
@@ -177,35 +193,34 @@ class _Route:
 
 
 def _forward_move(x: torch.Tensor, send_idx: torch.Tensor, gather_idx: torch.Tensor,
-                  route: _Route) -> torch.Tensor:
+                  route: _Route) -> _comm.Pending:
     """Start carrying the remote halo slices (async where the transport allows).
 
-    Returns the received buffer at the front; for `allgather`, every rank's contribution
-    (pick `gather_pick` out of it once it is needed).
+    Its result is the received buffer at the front; for `allgather`, every rank's
+    contribution (pick `gather_pick` out of it once it is needed).
     """
     if route.transport == "allgather":
         mine = rearrange(x.index_select(route.dim, gather_idx), route.to_front)
         filler = mine.new_zeros((route.gather_pad, *mine.shape[1:]))
-        return _comm.all_gather(torch.cat([mine, filler]), route.group)
-    send = rearrange(x.index_select(route.dim, send_idx), route.to_front).contiguous()
-    move = _comm.p2p if route.transport == "p2p" else _comm.all_to_all
+        return _comm.Pending(_comm.all_gather(torch.cat([mine, filler]), route.group))
+    send = rearrange(x.index_select(route.dim, send_idx), route.to_front)
+    move = _comm.start_p2p if route.transport == "p2p" else _comm.start_all_to_all
     return move(send, route.recv_splits, route.send_splits, route.group)
 
 
 def _backward_move(g_recv: torch.Tensor, gather_idx: torch.Tensor, gather_pick: torch.Tensor,
-                   route: _Route) -> torch.Tensor:
+                   route: _Route) -> _comm.Pending:
     """Start the adjoint of `_forward_move`: received slices' gradients back to owners."""
-    g_recv = g_recv.contiguous()
     if route.transport == "allgather":
         g_every = g_recv.new_zeros(
             (route.group.size * (gather_idx.shape[0] + route.gather_pad), *g_recv.shape[1:]))
         g_every.index_add_(0, gather_pick, g_recv)
-        return _comm.reduce_scatter(g_every, route.group)
-    move = _comm.p2p if route.transport == "p2p" else _comm.all_to_all
+        return _comm.Pending(_comm.reduce_scatter(g_every, route.group))
+    move = _comm.start_p2p if route.transport == "p2p" else _comm.start_all_to_all
     return move(g_recv, route.send_splits, route.recv_splits, route.group)
 
 
-def _empty_like_layout(x: torch.Tensor, shape: list[Any]) -> torch.Tensor:
+def empty_like_layout(x: torch.Tensor, shape: list[Any]) -> torch.Tensor:
     """An output buffer in `x`'s memory format, so channels_last convs stay channels_last.
 
     Allocated channels-last-ordered and viewed back (a `new_empty`, which LocalTensorMode
@@ -225,57 +240,73 @@ class HaloMove:
     """One rank's prepared exchange: the plan's index tensors and its route.
 
     Split into steps so a consumer can do its own work while the halo is in flight:
-    `start` -> (other work) -> `halos`; backward: `start_backward` -> (other work) -> `fold`.
+    `start` -> (other work) -> `fill`; backward: `start_backward` -> (other work) -> `fold`.
+    Halos live in a buffer `left + gap + right` long along the dim: the exchanged chunk
+    (`gap` None: the chunk's length) or windows around the chunk's edges.
     """
 
     send_idx: torch.Tensor
-    self_idx: torch.Tensor
-    left_idx: torch.Tensor
-    right_idx: torch.Tensor
     gather_idx: torch.Tensor
     gather_pick: torch.Tensor
     route: _Route
 
-    def start(self, x: torch.Tensor) -> torch.Tensor:
+    def _fill_index(self, device: torch.device, gap: int | None) -> tuple[torch.Tensor, ...]:
+        r = self.route
+        return _rank_fill_tensors(r.group.rank, r.lengths, r.left, r.right, r.pad, device, gap)
+
+    def start(self, x: torch.Tensor) -> _comm.Pending:
         """Start moving `x`'s edge slices to the ranks that need them."""
         return _forward_move(x, self.send_idx, self.gather_idx, self.route)
 
-    def halos(self, x: torch.Tensor, moved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for the move; the left and right halos in `x`'s layout order."""
-        route = self.route
-        recv = moved.index_select(0, self.gather_pick) if route.transport == "allgather" \
-            else moved
-        own = rearrange(x.index_select(route.dim, self.self_idx), route.to_front)
-        source = torch.cat([recv, own, own.new_zeros((1, *own.shape[1:]))])
-        left, right = (rearrange(source.index_select(0, i), route.from_front)
-                       for i in (self.left_idx, self.right_idx))
-        return left, right
+    def fill(self, out: torch.Tensor, x: torch.Tensor, moved: _comm.Pending,
+             gap: int | None = None) -> None:
+        """Wait for the move and write the halos into `out`, in place.
 
-    def start_backward(self, g_left: torch.Tensor, g_right: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum the halos' gradients per source slice and start sending them to the owners.
-
-        Summed first (replicate repeats slices), so each slice's gradient crosses once.
-        Returns (the move in flight, the gradient of this rank's own copied slices).
+        Each received slice is copied once into its first halo position; own slices (pad
+        modes other than zeros, at the global edges) come from `x`; repeats are copied from
+        their slot; the rest is zero. Nothing else of `out` is touched.
         """
         route = self.route
-        g_halo = [rearrange(g, route.to_front) for g in (g_left, g_right)]
-        n_recv, n_own = sum(route.recv_splits), self.self_idx.shape[0]
-        g_source = g_halo[0].new_zeros((n_recv + n_own + 1, *g_halo[0].shape[1:]))
-        g_source.index_add_(0, self.left_idx, g_halo[0]).index_add_(0, self.right_idx,
-                                                                     g_halo[1])
-        moved = _backward_move(g_source[:n_recv], self.gather_idx, self.gather_pick, route)
-        return moved, g_source[n_recv : n_recv + n_own]
+        recv = moved.wait()
+        if route.transport == "allgather":
+            recv = recv.index_select(0, self.gather_pick)
+        (recv_pos, own_src, own_pos, zero_pos, dup_recv_pos, dup_recv_slot, dup_own_pos, _,
+         dup_own_src) = self._fill_index(x.device, gap)
+        dst, src = rearrange(out, route.to_front), rearrange(x, route.to_front)
+        dst.index_copy_(0, recv_pos, recv)
+        dst.index_copy_(0, own_pos, src.index_select(0, own_src))
+        dst.index_fill_(0, zero_pos, 0)
+        dst.index_copy_(0, dup_recv_pos, recv.index_select(0, dup_recv_slot))
+        dst.index_copy_(0, dup_own_pos, src.index_select(0, dup_own_src))
 
-    def fold(self, g_x: torch.Tensor, moved: torch.Tensor, g_own: torch.Tensor) -> None:
+    def start_backward(self, grad: torch.Tensor, gap: int | None = None
+                       ) -> tuple[_comm.Pending, torch.Tensor]:
+        """Sum the halos' gradients per source slice and start sending them to the owners.
+
+        `grad` is the gradient of the `fill` buffer. Summed first (replicate repeats
+        slices), so each slice's gradient crosses once. Returns (the move in flight, the
+        gradient of this rank's own copied slices, at the front).
+        """
+        (recv_pos, _, own_pos, _, dup_recv_pos, dup_recv_slot, dup_own_pos, dup_own_slot,
+         _) = self._fill_index(grad.device, gap)
+        g = rearrange(grad, self.route.to_front)
+        g_recv = g.index_select(0, recv_pos).index_add_(0, dup_recv_slot,
+                                                        g.index_select(0, dup_recv_pos))
+        g_own = g.index_select(0, own_pos).index_add_(0, dup_own_slot,
+                                                      g.index_select(0, dup_own_pos))
+        return _backward_move(g_recv, self.gather_idx, self.gather_pick, self.route), g_own
+
+    def fold(self, g_x: torch.Tensor, moved: _comm.Pending, g_own: torch.Tensor) -> None:
         """Wait for the halo gradients and add them, in place, into their slices of `g_x`."""
         route = self.route
-        g_x.index_add_(route.dim, self.self_idx, rearrange(g_own, route.from_front))
+        own_src = self._fill_index(g_x.device, None)[1]
+        g_x.index_add_(route.dim, own_src, rearrange(g_own, route.from_front))
+        received = moved.wait()
         if route.transport == "allgather":
-            received = moved[: self.gather_idx.shape[0]]
+            received = received[: self.gather_idx.shape[0]]
             g_x.index_add_(route.dim, self.gather_idx, rearrange(received, route.from_front))
         else:
-            g_x.index_add_(route.dim, self.send_idx, rearrange(moved, route.from_front))
+            g_x.index_add_(route.dim, self.send_idx, rearrange(received, route.from_front))
 
 
 class _HaloExchange(torch.autograd.Function):
@@ -294,19 +325,16 @@ class _HaloExchange(torch.autograd.Function):
         moved = move.start(x)
         shape = list(x.shape)
         shape[dim] = left + length + route.right
-        out = _empty_like_layout(x, shape)
+        out = empty_like_layout(x, shape)
         out.narrow(dim, left, length).copy_(x)
-        halo_left, halo_right = move.halos(x, moved)
-        out.narrow(dim, 0, left).copy_(halo_left)
-        out.narrow(dim, left + length, route.right).copy_(halo_right)
+        move.fill(out, x, moved)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         move: HaloMove = ctx.move
-        dim, left, length, right = move.route.dim, move.route.left, ctx.length, move.route.right
-        moved, g_own = move.start_backward(grad.narrow(dim, 0, left),
-                                           grad.narrow(dim, left + length, right))
+        dim, left, length = move.route.dim, move.route.left, ctx.length
+        moved, g_own = move.start_backward(grad)
         g_x = grad.narrow(dim, left, length).clone()  # keeps a channels_last layout
         move.fold(g_x, moved, g_own)
         return g_x, None
@@ -329,8 +357,8 @@ def prepare_halo(
     tensors = _rank_plan_tensors(grp.rank, lengths, left, right, pad, x.device)
     ints = _plan_ints(grp.rank, lengths, left, right, pad)
     world = grp.size
-    route = _Route(dim, left, right, transport, grp, ints[:world], ints[world : 2 * world],
-                   ints[-1], to_front, from_front)
+    route = _Route(dim, left, right, pad, transport, grp, lengths, ints[:world],
+                   ints[world : 2 * world], ints[-1], to_front, from_front)
     return HaloMove(*tensors, route), lengths
 
 

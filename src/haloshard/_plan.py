@@ -24,6 +24,9 @@ class ExchangePlan:
     The receive buffer holds, for source ranks in order, the distinct slices wanted from each
     (sorted). The halo source buffer is `recv ++ own slices (self_idx) ++ [one zero slice]`;
     `left_idx` / `right_idx` index it to build the halos.
+
+    `halo_fill` says the same as positions in an output buffer, so halos are written
+    straight into it.
     """
 
     send_idx: tuple[int, ...]
@@ -39,6 +42,56 @@ class ExchangePlan:
     @property
     def halo_source_len(self) -> int:
         return sum(self.recv_splits) + len(self.self_idx) + 1
+
+
+@dataclass(frozen=True)
+class HaloFill:
+    """Where the halo slices go in a `left + gap + right` long buffer along the dim.
+
+    The output positions of each received slice's first use (`recv_pos`, one per received
+    slice, in order) and of each own slice's (`own_pos`, for `self_idx`; `own_src` repeats
+    `self_idx`), the zero positions, and the repeated uses of a received or own slice
+    (replicate, reflect and circular can repeat one) with the slot they repeat.
+    """
+
+    recv_pos: tuple[int, ...]
+    own_src: tuple[int, ...]
+    own_pos: tuple[int, ...]
+    zero_pos: tuple[int, ...]
+    dup_recv_pos: tuple[int, ...]
+    dup_recv_slot: tuple[int, ...]
+    dup_own_pos: tuple[int, ...]
+    dup_own_slot: tuple[int, ...]
+    dup_own_src: tuple[int, ...]
+
+
+@lru_cache(maxsize=4096)
+def halo_fill(plan: ExchangePlan, gap: int) -> HaloFill:
+    """Where `plan`'s halos go in a buffer of `left + gap + right` slices: the exchanged chunk
+    when `gap` is the chunk length, or two thin windows around the chunk's edges."""
+    left, right = len(plan.left_idx), len(plan.right_idx)
+    n_recv, n_own = sum(plan.recv_splits), len(plan.self_idx)
+    uses = [*zip(range(left), plan.left_idx, strict=True),
+            *zip(range(left + gap, left + gap + right), plan.right_idx, strict=True)]
+    first: dict[int, int] = {}
+    dups: list[tuple[int, int]] = []
+    for pos, slot in uses:
+        if slot in first:
+            dups.append((pos, slot))
+        elif slot < n_recv + n_own:
+            first[slot] = pos
+    own_slots = [slot - n_recv for _, slot in dups if slot >= n_recv]
+    return HaloFill(
+        recv_pos=tuple(first[s] for s in range(n_recv)),
+        own_src=plan.self_idx,
+        own_pos=tuple(first[n_recv + k] for k in range(n_own)),
+        zero_pos=tuple(pos for pos, slot in uses if slot == n_recv + n_own),
+        dup_recv_pos=tuple(pos for pos, slot in dups if slot < n_recv),
+        dup_recv_slot=tuple(slot for _, slot in dups if slot < n_recv),
+        dup_own_pos=tuple(pos for pos, slot in dups if slot >= n_recv),
+        dup_own_slot=tuple(own_slots),
+        dup_own_src=tuple(plan.self_idx[k] for k in own_slots),
+    )
 
 
 def _owner(index: int, ends: tuple[int, ...]) -> int:
@@ -101,13 +154,15 @@ def exchange_plan(
              for q in range(world)]
     gather_len = max([0, *(len(u) for u in union)])
     slot = {g: q * gather_len + i for q, u in enumerate(union) for i, g in enumerate(u)}
+    left_idx = tuple(zero if g is None else position[g] for g in lefts)
+    right_idx = tuple(zero if g is None else position[g] for g in rights)
     return ExchangePlan(
         send_idx=send_idx,
         send_splits=tuple(len(w) for w in theirs),
         recv_splits=tuple(len(w) for w in mine),
         self_idx=tuple(g - starts[rank] for g in own),
-        left_idx=tuple(zero if g is None else position[g] for g in lefts),
-        right_idx=tuple(zero if g is None else position[g] for g in rights),
+        left_idx=left_idx,
+        right_idx=right_idx,
         gather_idx=tuple(g - starts[rank] for g in union[rank]),
         gather_len=gather_len,
         gather_pick=tuple(slot[g] for g in recv_order),
