@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks import steady_allocator
 from haloshard import halo_exchange
 from haloshard._attention import gather_along
 from haloshard._conv import halo_conv
@@ -33,16 +34,12 @@ SHAPE = (1, 128, 16, 64, 64)
 
 
 def _step_ms(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
-             w: torch.Tensor, iters: int) -> float:
-    times = []
-    for i in range(iters + 1):
-        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        dist.barrier()
-        start = time.perf_counter()
-        step(xi, wi).sum().backward()
-        if i:  # the first run warms plans, buffers and compiled graphs up
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+             w: torch.Tensor) -> float:
+    xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+    dist.barrier()
+    start = time.perf_counter()
+    step(xi, wi).sum().backward()
+    return (time.perf_counter() - start) * 1e3
 
 
 def rank_step(iters: int, compile_step: bool) -> dict[str, float]:
@@ -73,7 +70,13 @@ def rank_step(iters: int, compile_step: bool) -> dict[str, float]:
              "naive": naive}
     if compile_step:
         steps["compiled"] = torch.compile(halo, fullgraph=True)
-    return {name: _step_ms(fn, x, w, iters) for name, fn in steps.items()}
+    for fn in steps.values():  # warm-up: plans, buffers, compiled graphs, the heap
+        _step_ms(fn, x, w)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(iters):  # round-robin, so a busy spell of the machine hits every step alike
+        for name, fn in steps.items():
+            times[name].append(_step_ms(fn, x, w))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args(argv)
+    steady_allocator()
     with GlooWorld(2, timeout=3600) as world:
         ranks = world.run(rank_step, args.iters, args.compile)
     slowest = {name: max(r[name] for r in ranks) for name in ranks[0]}

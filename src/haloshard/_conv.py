@@ -18,7 +18,7 @@ import torch
 
 from haloshard._comm import GroupLike, Pending
 from haloshard._errors import HaloError
-from haloshard._exchange import HaloMove, empty_like_layout, prepare_halo
+from haloshard._exchange import HaloMove, empty_like_layout, memory_format, prepare_halo
 
 _conv = torch.ops.aten.convolution.default
 _conv_backward = torch.ops.aten.convolution_backward.default
@@ -68,12 +68,10 @@ class _HaloConv(torch.autograd.Function):
         moved = move.start(x)
         if args.split:
             interior = args.conv(x, weight)
-            buf = _edge_windows(x, move, moved, args)
+            windows = _edge_windows(x, move, moved, args)
             # A side without halo (causal: right=0) has no boundary outputs and no window.
-            y = torch.cat([*([args.conv(_window(buf, args, 0), weight)] if left else []),
-                           interior,
-                           *([args.conv(_window(buf, args, 1), weight)] if args.right else [])],
-                          dim)
+            y = torch.cat([*([args.conv(windows[0], weight)] if left else []), interior,
+                           *([args.conv(windows[-1], weight)] if args.right else [])], dim)
         else:
             # An empty chunk would ask the conv for zero outputs, which it refuses: one zero
             # slice more gives it one output, dropped again (and its gradient is zero).
@@ -84,19 +82,20 @@ class _HaloConv(torch.autograd.Function):
             buf.narrow(dim, left, length).copy_(x)
             buf.narrow(dim, left + length + args.right, spare).zero_()
             move.fill(buf, x, moved)
+            windows = (buf,)
             y = args.conv(buf, weight).narrow(dim, 0, length)
         if bias is not None:
             y = y + bias.view(1, -1, *([1] * (y.ndim - 2)))
-        ctx.save_for_backward(x, weight, buf)
+        ctx.save_for_backward(x, weight, *windows)
         ctx.move, ctx.args, ctx.has_bias = move, args, bias is not None
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, weight, buf = ctx.saved_tensors
+        x, weight, *windows = ctx.saved_tensors
         args: _ConvArgs = ctx.args
         g_x, g_w = (_split_backward if args.split else _whole_backward)(
-            grad, x, weight, buf, ctx.move, args)
+            grad, x, weight, windows, ctx.move, args)
         g_b = grad.sum([d for d in range(grad.ndim) if d != 1]) if ctx.has_bias else None
         return g_x, g_w, g_b, None, None
 
@@ -114,10 +113,14 @@ def _gap(args: _ConvArgs) -> int:
 
 
 def _edge_windows(x: torch.Tensor, move: HaloMove, moved: Pending, args: _ConvArgs
-                  ) -> torch.Tensor:
-    """`[left halo ++ first reach slices] ++ [last reach slices ++ right halo]` in one thin
-    buffer (a side without halo left out): the boundary outputs' inputs, halos filled in
-    place once they arrive."""
+                  ) -> tuple[torch.Tensor, ...]:
+    """The boundary outputs' inputs: `[left halo ++ first reach slices]` and `[last reach
+    slices ++ right halo]` (a side without halo left out).
+
+    Filled in one thin buffer `left + gap + right` long, halos written in place once they
+    arrive, then each window made dense in `x`'s memory format: a conv on a strided window
+    takes a slower path than the copy of a few slices costs.
+    """
     dim, reach, left, gap, length = args.dim, args.reach, args.left, _gap(args), x.shape[
         args.dim]
     shape = list(x.shape)
@@ -128,27 +131,23 @@ def _edge_windows(x: torch.Tensor, move: HaloMove, moved: Pending, args: _ConvAr
     if args.right:
         buf.narrow(dim, left + gap - reach, reach).copy_(x.narrow(dim, length - reach, reach))
     move.fill(buf, x, moved, gap)
-    return buf
-
-
-def _window(buf: torch.Tensor, args: _ConvArgs, side: int) -> torch.Tensor:
-    """The left (side 0) or right (side 1) boundary window of `_edge_windows`' buffer."""
-    if side == 0:
-        return buf.narrow(args.dim, 0, args.left + args.reach)
-    return buf.narrow(args.dim, args.left + _gap(args) - args.reach, args.reach + args.right)
+    fmt = memory_format(x)
+    spans = ([(0, left + reach)] if left else []) + (
+        [(left + gap - reach, reach + args.right)] if args.right else [])
+    return tuple(buf.narrow(dim, start, n).contiguous(memory_format=fmt) for start, n in spans)
 
 
 def _split_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                    buf: torch.Tensor, move: HaloMove, args: _ConvArgs
+                    windows: list[torch.Tensor], move: HaloMove, args: _ConvArgs
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     dim, left, right, reach, length = args.dim, args.left, args.right, args.reach, x.shape[
         args.dim]
     sides = []  # (window gradient, its weight gradient) per side with a halo
     if left:
-        sides.append(args.backward(grad.narrow(dim, 0, left), _window(buf, args, 0), weight))
+        sides.append(args.backward(grad.narrow(dim, 0, left), windows[0], weight))
     if right:
-        sides.append(args.backward(grad.narrow(dim, length - right, right),
-                                   _window(buf, args, 1), weight))
+        sides.append(args.backward(grad.narrow(dim, length - right, right), windows[-1],
+                                   weight))
     moved, g_own = move.start_backward(torch.cat([g for g, _ in sides], dim), _gap(args))
     g_x, g_w = args.backward(grad.narrow(dim, left, length - reach), x, weight)
     if left:
@@ -162,10 +161,10 @@ def _split_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 def _whole_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                    buf: torch.Tensor, move: HaloMove, args: _ConvArgs
+                    windows: list[torch.Tensor], move: HaloMove, args: _ConvArgs
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     dim, left, length = args.dim, args.left, x.shape[args.dim]
-    g_buf, g_w = args.backward(torch.cat([grad, _spare(grad, dim)], dim), buf, weight)
+    g_buf, g_w = args.backward(torch.cat([grad, _spare(grad, dim)], dim), windows[0], weight)
     moved, g_own = move.start_backward(g_buf)
     g_x = g_buf.narrow(dim, left, length).clone()
     move.fold(g_x, moved, g_own)

@@ -220,18 +220,28 @@ def _backward_move(g_recv: torch.Tensor, gather_idx: torch.Tensor, gather_pick: 
     return move(g_recv, route.send_splits, route.recv_splits, route.group)
 
 
+_CHANNELS_LAST = {5: (torch.channels_last_3d, "n t h w c -> n c t h w"),
+                  4: (torch.channels_last, "n h w c -> n c h w")}
+
+
+def memory_format(x: torch.Tensor) -> torch.memory_format:
+    """`x`'s memory format: channels-last (2-D or 3-D) or contiguous."""
+    if x.ndim in _CHANNELS_LAST and not x.is_contiguous():
+        fmt = _CHANNELS_LAST[x.ndim][0]
+        if x.is_contiguous(memory_format=fmt):
+            return fmt
+    return torch.contiguous_format
+
+
 def empty_like_layout(x: torch.Tensor, shape: list[Any]) -> torch.Tensor:
     """An output buffer in `x`'s memory format, so channels_last convs stay channels_last.
 
     Allocated channels-last-ordered and viewed back (a `new_empty`, which LocalTensorMode
     runs per rank, rather than a factory call with a memory_format).
     """
-    formats = {5: (torch.channels_last_3d, "n t h w c -> n c t h w"),
-               4: (torch.channels_last, "n h w c -> n c h w")}
-    if x.ndim in formats and not x.is_contiguous():
-        fmt, pattern = formats[x.ndim]
-        if x.is_contiguous(memory_format=fmt):
-            return rearrange(x.new_empty([shape[0], *shape[2:], shape[1]]), pattern)
+    if memory_format(x) != torch.contiguous_format:
+        pattern = _CHANNELS_LAST[x.ndim][1]
+        return rearrange(x.new_empty([shape[0], *shape[2:], shape[1]]), pattern)
     return x.new_empty(shape)
 
 
