@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from haloshard import PAD_MODES, TRANSPORTS, halo_exchange
 from haloshard.testing import (
@@ -176,3 +177,54 @@ def test_simulated_2d_mesh_uneven_batch() -> None:
 
         maybe_run_for_local_tensor(check)(y, mesh.get_local_rank("dp"),
                                           mesh.get_local_rank("cp"))
+
+
+class _Writes(TorchDispatchMode):
+    """Counts the elements each aten / c10d op writes (views and empty buffers write none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name.split("::")[-1]
+        if name in ("index_copy_", "index_add_"):
+            n = args[3].numel()
+        elif name == "index_fill_":
+            n = args[2].numel() * args[0].numel() // max(args[0].shape[args[1]], 1)
+        elif name.endswith("_") and args and isinstance(args[0], torch.Tensor):
+            n = args[0].numel()  # copy_, fill_, add_, and c10d ops' output buffers
+        elif isinstance(out, torch.Tensor) and not func.is_view and "empty" not in name:
+            n = out.numel()
+        else:
+            n = 0
+        self.ops.append((name, n))
+        return out
+
+
+def case_writes(mesh: DeviceMesh, transport: str) -> None:
+    """On 2 ranks with a 1+1 halo: forward writes the chunk once plus four halo slices (send,
+    receive, its place in the output, the zero halo at the global edge); backward writes the
+    chunk's gradient once plus three slices (send, receive, fold). No `cat`, no zero-filled
+    buffers that are overwritten."""
+    chunk = torch.randn(1, 16, 8, 4, 4, requires_grad=True)
+    slice_ = chunk.numel() // chunk.shape[2]
+    y = halo_exchange(chunk, 1, 1, 2, mesh, transport=transport)  # plans, cached index tensors
+    grad = torch.ones_like(y)
+    with _Writes() as fwd:
+        y = halo_exchange(chunk, 1, 1, 2, mesh, transport=transport)
+    with _Writes() as bwd:
+        torch.autograd.grad(y, chunk, grad)
+    metadata = 64  # the agreement's int rows: 2 ranks x 18 fields, less than a slice
+    for mode, bound in ((fwd, chunk.numel() + 4 * slice_ + metadata),
+                        (bwd, chunk.numel() + 3 * slice_)):
+        names = [name for name, _ in mode.ops]
+        assert not {"cat", "zeros", "new_zeros", "zeros_like", "zero_"} & set(names), names
+        assert sum(n for _, n in mode.ops) <= bound, mode.ops
+
+
+@pytest.mark.gloo
+def test_gloo_writes_each_byte_once(gloo) -> None:
+    for transport in ("all_to_all", "p2p"):
+        gloo(2).run(on_gloo, "case_writes", transport)
