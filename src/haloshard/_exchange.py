@@ -276,18 +276,20 @@ class HaloMove:
         modes other than zeros, at the global edges) come from `x`; repeats are copied from
         their slot; the rest is zero. Nothing else of `out` is touched.
         """
-        route = self.route
+        route, dim = self.route, self.route.dim
         recv = moved.wait()
         if route.transport == "allgather":
             recv = recv.index_select(0, self.gather_pick)
+        recv = rearrange(recv, route.from_front)
         (recv_pos, own_src, own_pos, zero_pos, dup_recv_pos, dup_recv_slot, dup_own_pos, _,
          dup_own_src) = self._fill_index(x.device, gap)
-        dst, src = rearrange(out, route.to_front), rearrange(x, route.to_front)
-        dst.index_copy_(0, recv_pos, recv)
-        dst.index_copy_(0, own_pos, src.index_select(0, own_src))
-        dst.index_fill_(0, zero_pos, 0)
-        dst.index_copy_(0, dup_recv_pos, recv.index_select(0, dup_recv_slot))
-        dst.index_copy_(0, dup_own_pos, src.index_select(0, dup_own_src))
+        # Indexed along `dim` of `out` itself, never through a permuted view of it, so that
+        # torch.compile turns each into an in-place index_put on the output.
+        out.index_copy_(dim, recv_pos, recv)
+        out.index_copy_(dim, own_pos, x.index_select(dim, own_src))
+        out.index_fill_(dim, zero_pos, 0)
+        out.index_copy_(dim, dup_recv_pos, recv.index_select(dim, dup_recv_slot))
+        out.index_copy_(dim, dup_own_pos, x.index_select(dim, dup_own_src))
 
     def start_backward(self, grad: torch.Tensor, gap: int | None = None
                        ) -> tuple[_comm.Pending, torch.Tensor]:
@@ -295,22 +297,23 @@ class HaloMove:
 
         `grad` is the gradient of the `fill` buffer. Summed first (replicate repeats
         slices), so each slice's gradient crosses once. Returns (the move in flight, the
-        gradient of this rank's own copied slices, at the front).
+        gradient of this rank's own copied slices).
         """
+        dim = self.route.dim
         (recv_pos, _, own_pos, _, dup_recv_pos, dup_recv_slot, dup_own_pos, dup_own_slot,
          _) = self._fill_index(grad.device, gap)
-        g = rearrange(grad, self.route.to_front)
-        g_recv = g.index_select(0, recv_pos).index_add_(0, dup_recv_slot,
-                                                        g.index_select(0, dup_recv_pos))
-        g_own = g.index_select(0, own_pos).index_add_(0, dup_own_slot,
-                                                      g.index_select(0, dup_own_pos))
+        g_recv = grad.index_select(dim, recv_pos).index_add_(
+            dim, dup_recv_slot, grad.index_select(dim, dup_recv_pos))
+        g_own = grad.index_select(dim, own_pos).index_add_(
+            dim, dup_own_slot, grad.index_select(dim, dup_own_pos))
+        g_recv = rearrange(g_recv, self.route.to_front)
         return _backward_move(g_recv, self.gather_idx, self.gather_pick, self.route), g_own
 
     def fold(self, g_x: torch.Tensor, moved: _comm.Pending, g_own: torch.Tensor) -> None:
         """Wait for the halo gradients and add them, in place, into their slices of `g_x`."""
         route = self.route
         own_src = self._fill_index(g_x.device, None)[1]
-        g_x.index_add_(route.dim, own_src, rearrange(g_own, route.from_front))
+        g_x.index_add_(route.dim, own_src, g_own)
         received = moved.wait()
         if route.transport == "allgather":
             received = received[: self.gather_idx.shape[0]]
