@@ -67,6 +67,16 @@ def test_simulated(length: int) -> None:
         case_attention(mesh, length)
 
 
+@pytest.mark.simulated
+def test_gather_frames_of_tokens() -> None:
+    """Tokens of T*S split by frames (T=5 on 4 ranks: 2, 2, 1, 0 frames of S=3 tokens)."""
+    full = torch.arange(2 * 15 * 2, dtype=torch.float64).reshape(2, 15, 2)
+    with simulated_mesh(4) as mesh:
+        local = rank_map(mesh, lambda r: shard(full.unflatten(1, (5, 3)), 1, 4, r).flatten(1, 2))
+        gathered = gather_along(local, 1, mesh, global_length=5, frame=3)
+        assert_close_per_rank(gathered, lambda r: full, mesh, atol=0, rtol=0)
+
+
 def test_token_dim_checked() -> None:
     with simulated_mesh(2) as mesh:
         q = rank_map(mesh, lambda r: torch.ones(1, 1, 2, 4))

@@ -27,19 +27,24 @@ def _valid_rows(lengths: tuple[int, ...], chunk: int, device: torch.device) -> t
                         dtype=torch.int64, device=device)
 
 
-def gather_along(x: torch.Tensor, dim: int, group: GroupLike, *, global_length: int
-                 ) -> torch.Tensor:
+def gather_along(x: torch.Tensor, dim: int, group: GroupLike, *, global_length: int,
+                 frame: int = 1) -> torch.Tensor:
     """All-gather `Shard(dim)` chunks (uneven and empty included) into the global tensor.
 
     Forward: `(..., T_r, ...) -> (..., T, ...)`; backward: each rank's chunk gets the sum over
     ranks of the gradient of its slices (a reduce-scatter).
+
+    Args:
+        global_length: the global number of frames along `dim`.
+        frame: slices per frame: a rank holds `frame` times its `Shard` split of the frames
+            (tokens of T*H*W come in frames of H*W).
 
     Example::
         >>> gather_along(x, 2, mesh, global_length=13).shape  # x: (1, 8, T_r, 4, 4)
         torch.Size([1, 8, 13, 4, 4])
     """
     grp = _comm.resolve_group(group)
-    lengths = shard_sizes(global_length, grp.size)
+    lengths = tuple(n * frame for n in shard_sizes(global_length, grp.size))
     chunk = max(lengths)
     names = [f"d{i}" for i in range(x.ndim)]
     moved = " ".join([names[dim], *names[:dim], *names[dim + 1 :]])

@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm
-from haloshard._attention import _valid_rows
+from haloshard._attention import gather_along
 from haloshard._errors import HaloError
 from haloshard._hooks import (
     _HANDLE,
@@ -59,7 +59,7 @@ from haloshard._hooks import (
     attach,
     handle_of,
 )
-from haloshard._layout import HaloShard, PadMode, shard_sizes
+from haloshard._layout import HaloShard, PadMode
 from haloshard._norms import _GroupNormFn
 from haloshard._specs import DERIVABLE, ConvStencil, derive_stencil, spatial_index
 
@@ -311,17 +311,10 @@ class _TokenAttention(TorchFunctionMode):
 
 def _gather_tokens(t: torch.Tensor, frame: int, group: tuple[DeviceMesh, int], frames: int
                    ) -> torch.Tensor:
-    """`(..., T_r * S, E) -> (..., T * S, E)`: `gather_along` for tokens that come in
-    frames of S. Not `gather_along` on a `(..., T_r, S, E)` view: that reshape of a per-rank
-    length is not supported under LocalTensorMode, so the rows are gathered as tokens."""
-    grp = _comm.resolve_group(group)
-    lengths = tuple(n * frame for n in shard_sizes(frames, grp.size))
-    front = t.movedim(-2, 0)
-    # all-gather needs equal blocks: pad each chunk to the longest, keep the real rows.
-    padded = torch.cat([front, front.new_zeros((max(lengths) - front.shape[0],
-                                                *front.shape[1:]))])
-    every = _comm.all_gather_autograd(padded.contiguous(), grp)
-    return every.index_select(0, _valid_rows(lengths, max(lengths), t.device)).movedim(0, -2)
+    """`(..., T_r * S, E) -> (..., T * S, E)`: tokens gathered in frames of S. Not a gather
+    of a `(..., T_r, S, E)` view: that reshape of a per-rank length is not supported under
+    LocalTensorMode."""
+    return gather_along(t, t.ndim - 2, group, global_length=frames, frame=frame)
 
 
 @maybe_run_for_local_tensor
