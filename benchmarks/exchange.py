@@ -4,12 +4,12 @@
 float32 tensor sharded on T (8 frames per rank), halo left=1 right=1 (a centred kernel-3
 conv's), and prints per transport: forward and backward time (median of --iters runs) over
 the same for `F.pad` of the local shard, and bytes each rank sent over the distinct halo bytes
-it owes its neighbours. Ratios are taken side by side in one run, so they do not depend on the
-machine's absolute speed.
+it owes its neighbours. Ratios are taken side by side in one run (contenders round-robin), so
+they do not depend on the machine's absolute speed.
 
 `F.pad+move` is the floor no exchange can beat on the machine: `F.pad` while a bare c10d
 all-to-all of the same halo bytes (prebuilt buffers, no planning, checks or indexing) runs
-beside it, forward and backward.
+beside it, forward and backward; `/floor` columns are over it.
 """
 
 from __future__ import annotations
@@ -32,14 +32,11 @@ SHAPE = (1, 128, 16, 64, 64)
 LEFT = RIGHT = 1
 
 
-def _median_ms(fn: Callable[[], object], iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def _timed_ms(fn: Callable[[], object]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
 
 
 class _PadBesideMove(torch.autograd.Function):
@@ -63,24 +60,21 @@ class _PadBesideMove(torch.autograd.Function):
         return g_x, None
 
 
-def _fwd_bwd(make: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-             iters: int) -> tuple[float, float]:
-    """Median forward and backward ms; backward ends in a contiguous input gradient, which is
-    what any consumer (a conv's backward, a gradient accumulation) reads."""
+def _fwd_bwd(contenders: dict[str, Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor,
+             iters: int) -> dict[str, tuple[float, float]]:
+    """Median forward and backward ms per contender, taken round-robin (a busy spell of the
+    machine hits every contender alike); backward ends in a contiguous input gradient, which
+    is what any consumer (a conv's backward, a gradient accumulation) reads."""
     leaf = x.clone().requires_grad_()
-    for _ in range(5):  # warm-up: plans, buffers, first collectives, the allocator's heap
-        out = make(leaf)
-        torch.autograd.grad(out, leaf, torch.ones_like(out))
-    fwd = _median_ms(lambda: make(leaf), iters)
-    outs = [make(leaf) for _ in range(iters)]
-    grads = [torch.ones_like(o) for o in outs]
-    it = iter(range(iters))
-
-    def backward() -> torch.Tensor:
-        i = next(it)
-        return torch.autograd.grad(outs[i], leaf, grads[i])[0].contiguous()
-
-    return fwd, _median_ms(backward, iters)
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in contenders}
+    for _ in range(iters):
+        for name, make in contenders.items():
+            box: list[torch.Tensor] = []
+            times[name][0].append(_timed_ms(lambda make=make, box=box: box.append(make(leaf))))
+            out, grad = box[0], torch.ones_like(box[0])
+            times[name][1].append(_timed_ms(
+                lambda out=out, grad=grad: torch.autograd.grad(out, leaf, grad)[0].contiguous()))
+    return {name: (statistics.median(f), statistics.median(b)) for name, (f, b) in times.items()}
 
 
 def rank_bench(iters: int) -> dict[str, object]:
@@ -100,12 +94,9 @@ def rank_bench(iters: int) -> dict[str, object]:
                   "F.pad+move": lambda t: _PadBesideMove.apply(t, send)} | {
         tr: lambda t, tr=tr: halo_exchange(t, LEFT, RIGHT, 2, mesh, transport=tr)
         for tr in TRANSPORTS}
-    rows: dict[str, object] = {}
-    for measure in (False, True):  # one untimed round first: the heap grows to its steady size
-        for name, make in contenders.items():
-            times = _fwd_bwd(make, x, iters if measure else 3)
-            rows[name] = (*times, sent[name] / halo_bytes) if name in sent else times
-    return rows
+    _fwd_bwd(contenders, x, 5)  # untimed: plans, buffers, first collectives, the heap
+    return {name: (*times, sent[name] / halo_bytes) if name in sent else times
+            for name, times in _fwd_bwd(contenders, x, iters).items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,15 +109,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"exchange of {SHAPE} float32 on 2 gloo ranks (1 thread each), halo {LEFT}+{RIGHT}, "
           f"median of {args.iters}")
     print(f"{'transport':<11} {'fwd ms':>7} {'bwd ms':>7} {'fwd/F.pad':>10} {'bwd/F.pad':>10} "
-          f"{'bytes/halo bytes':>17}")
-    for name in ("F.pad", "F.pad+move", *TRANSPORTS):
-        fwd = max(r[name][0] for r in ranks)  # the slowest rank sets the pace
-        bwd = max(r[name][1] for r in ranks)
-        base_f = max(r["F.pad"][0] for r in ranks)
-        base_b = max(r["F.pad"][1] for r in ranks)
-        ratio = " / ".join(f"{r[name][2]:.2f}" for r in ranks) if name in TRANSPORTS else ""
-        print(f"{name:<11} {fwd:>7.2f} {bwd:>7.2f} {fwd / base_f:>10.2f} {bwd / base_b:>10.2f} "
-              f"{ratio:>17}")
+          f"{'fwd/floor':>10} {'bwd/floor':>10} {'bytes/halo bytes':>17}")
+    slowest = {name: [max(r[name][i] for r in ranks) for i in (0, 1)]  # it sets the pace
+               for name in ("F.pad", "F.pad+move", *TRANSPORTS)}
+    (pad_f, pad_b), (floor_f, floor_b) = slowest["F.pad"], slowest["F.pad+move"]
+    for name, (fwd, bwd) in slowest.items():
+        ratios = (fwd / pad_f, bwd / pad_b, fwd / floor_f, bwd / floor_b)
+        sent = " / ".join(f"{r[name][2]:.2f}" for r in ranks) if name in TRANSPORTS else ""
+        print(f"{name:<11} {fwd:>7.2f} {bwd:>7.2f} "
+              + " ".join(f"{v:>10.2f}" for v in ratios) + f" {sent:>17}")
 
 
 if __name__ == "__main__":
