@@ -35,6 +35,8 @@ CASES = [
     (5, 13, 3, 1, 1, 1, "zeros", 4, True, True),       # depthwise conv3d
     (5, 13, 3, 1, 2, 0, "replicate", 1, True, False),  # exchange first
     (4, 5, 3, 1, 1, 1, "reflect", 1, True, True),      # chunks shorter than the kernel
+    (3, 2, 3, 1, 1, 1, "zeros", 1, True, True),        # an empty chunk on 3+ ranks
+    (3, 3, 1, 1, 0, 0, "zeros", 1, True, True),        # kernel 1: no halo (empty on 4 ranks)
 ]
 
 

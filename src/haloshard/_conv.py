@@ -34,6 +34,7 @@ class _ConvArgs:
     dilation: list[int]
     groups: int
     split: bool
+    spare: bool  # some rank's chunk is empty: every rank convolves one spare zero slice more
 
     @property
     def reach(self) -> int:
@@ -75,7 +76,7 @@ class _HaloConv(torch.autograd.Function):
         else:
             # An empty chunk would ask the conv for zero outputs, which it refuses: one zero
             # slice more gives it one output, dropped again (and its gradient is zero).
-            spare = torch.sym_max(0, 1 - length)
+            spare = torch.sym_max(0, 1 - length) if args.spare else 0
             shape = list(x.shape)
             shape[dim] = left + length + args.right + spare
             buf = empty_like_layout(x, shape)
@@ -164,7 +165,8 @@ def _whole_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                     windows: list[torch.Tensor], move: HaloMove, args: _ConvArgs
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     dim, left, length = args.dim, args.left, x.shape[args.dim]
-    g_buf, g_w = args.backward(torch.cat([grad, _spare(grad, dim)], dim), windows[0], weight)
+    grad = torch.cat([grad, _spare(grad, dim)], dim) if args.spare else grad
+    g_buf, g_w = args.backward(grad, windows[0], weight)
     moved, g_own = move.start_backward(g_buf)
     g_x = g_buf.narrow(dim, left, length).clone()
     move.fold(g_x, moved, g_own)
@@ -222,9 +224,10 @@ def halo_conv(
     move, lengths = prepare_halo(x, left, right, dim, group, pad=pad, transport=transport,
                                  global_length=global_length)
     split = overlap and min(lengths) >= reach + 1 and move is not None
-    conv_args = _ConvArgs(dim, left, right, *args, groups, split)
+    spare = min(lengths) == 0
+    conv_args = _ConvArgs(dim, left, right, *args, groups, split, spare)
     if move is None:  # a kernel of one along dim: no halo (and, for an empty chunk, a spare)
-        y = torch.ops.aten.convolution(torch.cat([x, _spare(x, dim)], dim), weight, bias,
-                                       *args, False, [0] * n, groups)
+        y = torch.ops.aten.convolution(torch.cat([x, _spare(x, dim)], dim) if spare else x,
+                                       weight, bias, *args, False, [0] * n, groups)
         return y.narrow(dim, 0, x.shape[dim])
     return _HaloConv.apply(x, weight, bias, move, conv_args)
