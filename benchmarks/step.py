@@ -6,7 +6,8 @@ forward + backward, and prints side by side (median of --iters):
 
 - `local`: the conv on the rank's own shard padded locally (no communication: the floor);
 - `haloshard`: `halo_conv`, the interior conv computed while the halo travels (default);
-- `exchange+conv`: `halo_exchange` (default transport) first, then the conv;
+- `no overlap`: `halo_conv(overlap=False)`: the whole halo first, then one conv;
+- `exchange+conv`: `halo_exchange` (default transport) first, then `F.conv3d`;
 - `naive`: all-gather T, convolve the whole tensor, keep the own slice (for contrast);
 - `compiled`: `torch.compile` (inductor) of the haloshard step, with --compile.
 
@@ -58,6 +59,10 @@ def rank_step(iters: int, compile_step: bool) -> dict[str, float]:
         return halo_conv(x, w, dim=2, left=1, right=1, group=mesh, padding=(0, 1, 1),
                          global_length=length)
 
+    def no_overlap(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return halo_conv(x, w, dim=2, left=1, right=1, group=mesh, padding=(0, 1, 1),
+                         global_length=length, overlap=False)
+
     def exchange_first(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.conv3d(halo_exchange(x, 1, 1, 2, mesh, global_length=length), w,
                         padding=(0, 1, 1))
@@ -66,7 +71,8 @@ def rank_step(iters: int, compile_step: bool) -> dict[str, float]:
         y = F.conv3d(gather_along(x, 2, mesh, global_length=length), w, padding=1)
         return shard(y, 2, world, rank)
 
-    steps = {"local": local, "haloshard": halo, "exchange+conv": exchange_first,
+    steps = {"local": local, "haloshard": halo, "no overlap": no_overlap,
+             "exchange+conv": exchange_first,
              "naive": naive}
     if compile_step:
         steps["compiled"] = torch.compile(halo, fullgraph=True)
