@@ -41,9 +41,10 @@ class _ConvArgs:
         """Input slices beyond one output's own: `dilation * (kernel - 1)` along `dim`."""
         return self.left + self.right
 
-    def conv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+             ) -> torch.Tensor:
         zeros = [0] * len(self.stride)
-        return _conv(x, weight, None, self.stride, self.padding, self.dilation, False, zeros,
+        return _conv(x, weight, bias, self.stride, self.padding, self.dilation, False, zeros,
                      self.groups)
 
     def backward(self, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
@@ -68,11 +69,12 @@ class _HaloConv(torch.autograd.Function):
         dim, left, length = args.dim, args.left, x.shape[args.dim]
         moved = move.start(x)
         if args.split:
-            interior = args.conv(x, weight)
+            interior = args.conv(x, weight, bias)
             windows = _edge_windows(x, move, moved, args)
             # A side without halo (causal: right=0) has no boundary outputs and no window.
-            y = torch.cat([*([args.conv(windows[0], weight)] if left else []), interior,
-                           *([args.conv(windows[-1], weight)] if args.right else [])], dim)
+            y = torch.cat([*([args.conv(windows[0], weight, bias)] if left else []), interior,
+                           *([args.conv(windows[-1], weight, bias)] if args.right else [])],
+                          dim)
         else:
             # An empty chunk would ask the conv for zero outputs, which it refuses: one zero
             # slice more gives it one output, dropped again (and its gradient is zero).
@@ -84,9 +86,7 @@ class _HaloConv(torch.autograd.Function):
             buf.narrow(dim, left + length + args.right, spare).zero_()
             move.fill(buf, x, moved)
             windows = (buf,)
-            y = args.conv(buf, weight).narrow(dim, 0, length)
-        if bias is not None:
-            y = y + bias.view(1, -1, *([1] * (y.ndim - 2)))
+            y = args.conv(buf, weight, bias).narrow(dim, 0, length)
         ctx.save_for_backward(x, weight, *windows)
         ctx.move, ctx.args, ctx.has_bias = move, args, bias is not None
         return y

@@ -39,10 +39,6 @@ class ExchangePlan:
     gather_len: int
     gather_pick: tuple[int, ...]
 
-    @property
-    def halo_source_len(self) -> int:
-        return sum(self.recv_splits) + len(self.self_idx) + 1
-
 
 @dataclass(frozen=True)
 class HaloFill:
