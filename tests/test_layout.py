@@ -110,7 +110,7 @@ def test_fill_writes_what_the_halo_indices_pick(length: int, world: int, left: i
     buf: list[str | None] = [None] * (left + gap + right)
     for pos, j in zip(fill.recv_pos, range(n_recv), strict=True):
         buf[pos] = f"recv{j}"
-    for pos, i in zip(fill.own_pos, fill.own_src, strict=True):
+    for pos, i in zip(fill.own_pos, plan.self_idx, strict=True):
         buf[pos] = f"own{i}"
     for pos in fill.zero_pos:
         buf[pos] = "0"

@@ -78,13 +78,7 @@ class _HaloConv(torch.autograd.Function):
         else:
             # An empty chunk would ask the conv for zero outputs, which it refuses: one zero
             # slice more gives it one output, dropped again (and its gradient is zero).
-            spare = torch.sym_max(0, 1 - length) if args.spare else 0
-            shape = list(x.shape)
-            shape[dim] = left + length + args.right + spare
-            buf = empty_like_layout(x, shape)
-            buf.narrow(dim, left, length).copy_(x)
-            buf.narrow(dim, left + length + args.right, spare).zero_()
-            move.fill(buf, x, moved)
+            buf = move.assemble(x, moved, torch.sym_max(0, 1 - length) if args.spare else None)
             windows = (buf,)
             y = args.conv(buf, weight, bias).narrow(dim, 0, length)
         ctx.save_for_backward(x, weight, *windows)
@@ -164,13 +158,9 @@ def _split_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 def _whole_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                     windows: list[torch.Tensor], move: HaloMove, args: _ConvArgs
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    dim, left, length = args.dim, args.left, x.shape[args.dim]
-    grad = torch.cat([grad, _spare(grad, dim)], dim) if args.spare else grad
+    grad = torch.cat([grad, _spare(grad, args.dim)], args.dim) if args.spare else grad
     g_buf, g_w = args.backward(grad, windows[0], weight)
-    moved, g_own = move.start_backward(g_buf)
-    g_x = g_buf.narrow(dim, left, length).clone()
-    move.fold(g_x, moved, g_own)
-    return g_x, g_w
+    return move.adjoint(g_buf, x.shape[args.dim]), g_w
 
 
 def _per_dim(value: int | tuple[int, ...], n: int, name: str) -> list[int]:

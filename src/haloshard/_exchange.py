@@ -140,7 +140,8 @@ def _plan_tensors(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device
 ) -> tuple[torch.Tensor, ...]:
     plan = exchange_plan(rank, lengths, left, right, pad)
-    return tuple(_index(i, device) for i in (plan.send_idx, plan.gather_idx, plan.gather_pick))
+    idx = (plan.send_idx, plan.self_idx, plan.gather_idx, plan.gather_pick)
+    return tuple(_index(i, device) for i in idx)
 
 
 @lru_cache(maxsize=1024)
@@ -256,6 +257,7 @@ class HaloMove:
     """
 
     send_idx: torch.Tensor
+    self_idx: torch.Tensor
     gather_idx: torch.Tensor
     gather_pick: torch.Tensor
     route: _Route
@@ -281,15 +283,39 @@ class HaloMove:
         if route.transport == "allgather":
             recv = recv.index_select(0, self.gather_pick)
         recv = rearrange(recv, route.from_front)
-        (recv_pos, own_src, own_pos, zero_pos, dup_recv_pos, dup_recv_slot, dup_own_pos, _,
+        (recv_pos, own_pos, zero_pos, dup_recv_pos, dup_recv_slot, dup_own_pos, _,
          dup_own_src) = self._fill_index(x.device, gap)
         # Indexed along `dim` of `out` itself, never through a permuted view of it, so that
         # torch.compile turns each into an in-place index_put on the output.
         out.index_copy_(dim, recv_pos, recv)
-        out.index_copy_(dim, own_pos, x.index_select(dim, own_src))
+        out.index_copy_(dim, own_pos, x.index_select(dim, self.self_idx))
         out.index_fill_(dim, zero_pos, 0)
         out.index_copy_(dim, dup_recv_pos, recv.index_select(dim, dup_recv_slot))
         out.index_copy_(dim, dup_own_pos, x.index_select(dim, dup_own_src))
+
+    def assemble(self, x: torch.Tensor, moved: _comm.Pending, spare: Any = None
+                 ) -> torch.Tensor:
+        """`x` extended by its halos (and `spare` zero slices after them, when given): a new
+        buffer in `x`'s memory format, the chunk copied in while the halo travels, then
+        `fill`."""
+        route = self.route
+        dim, left, length = route.dim, route.left, x.shape[route.dim]
+        shape = list(x.shape)
+        shape[dim] = left + length + route.right + (0 if spare is None else spare)
+        out = empty_like_layout(x, shape)
+        out.narrow(dim, left, length).copy_(x)
+        if spare is not None:
+            out.narrow(dim, left + length + route.right, spare).zero_()
+        self.fill(out, x, moved)
+        return out
+
+    def adjoint(self, grad: torch.Tensor, length: Any) -> torch.Tensor:
+        """The adjoint of `assemble`: the chunk's part of `grad` (a clone: `grad` is not ours
+        to change) with the halo gradients added into their owners' slices."""
+        moved, g_own = self.start_backward(grad)
+        g_x = grad.narrow(self.route.dim, self.route.left, length).clone()  # keeps the layout
+        self.fold(g_x, moved, g_own)
+        return g_x
 
     def start_backward(self, grad: torch.Tensor, gap: int | None = None
                        ) -> tuple[_comm.Pending, torch.Tensor]:
@@ -300,7 +326,7 @@ class HaloMove:
         gradient of this rank's own copied slices).
         """
         dim = self.route.dim
-        (recv_pos, _, own_pos, _, dup_recv_pos, dup_recv_slot, dup_own_pos, dup_own_slot,
+        (recv_pos, own_pos, _, dup_recv_pos, dup_recv_slot, dup_own_pos, dup_own_slot,
          _) = self._fill_index(grad.device, gap)
         g_recv = grad.index_select(dim, recv_pos).index_add_(
             dim, dup_recv_slot, grad.index_select(dim, dup_recv_pos))
@@ -312,8 +338,7 @@ class HaloMove:
     def fold(self, g_x: torch.Tensor, moved: _comm.Pending, g_own: torch.Tensor) -> None:
         """Wait for the halo gradients and add them, in place, into their slices of `g_x`."""
         route = self.route
-        own_src = self._fill_index(g_x.device, None)[1]
-        g_x.index_add_(route.dim, own_src, g_own)
+        g_x.index_add_(route.dim, self.self_idx, g_own)
         received = moved.wait()
         if route.transport == "allgather":
             received = received[: self.gather_idx.shape[0]]
@@ -332,25 +357,12 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, move: HaloMove) -> torch.Tensor:  # type: ignore[override]
-        route = move.route
-        dim, left, length = route.dim, route.left, x.shape[route.dim]
-        ctx.move, ctx.length = move, length
-        moved = move.start(x)
-        shape = list(x.shape)
-        shape[dim] = left + length + route.right
-        out = empty_like_layout(x, shape)
-        out.narrow(dim, left, length).copy_(x)
-        move.fill(out, x, moved)
-        return out
+        ctx.move, ctx.length = move, x.shape[move.route.dim]
+        return move.assemble(x, move.start(x))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        move: HaloMove = ctx.move
-        dim, left, length = move.route.dim, move.route.left, ctx.length
-        moved, g_own = move.start_backward(grad)
-        g_x = grad.narrow(dim, left, length).clone()  # keeps a channels_last layout
-        move.fold(g_x, moved, g_own)
-        return g_x, None
+        return ctx.move.adjoint(grad, ctx.length), None
 
 
 def prepare_halo(

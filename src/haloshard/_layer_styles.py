@@ -300,21 +300,16 @@ class _TokenAttention(TorchFunctionMode):
                             f"enable_gqa={enable_gqa}")
         _check_tokens(q.shape[-2], self.site.local.shape[self.dim], self.frame)
         group, frames = (self.site.mesh, self.site.axis), self.site.length
-        k_all, v_all = (_gather_tokens(t, self.frame, group, frames) for t in (k, v))
+        # Tokens gathered in frames of S, not as a (..., T_r, S, E) view: that reshape of a
+        # per-rank length is not supported under LocalTensorMode.
+        k_all, v_all = (gather_along(t, t.ndim - 2, group, global_length=frames,
+                                     frame=self.frame) for t in (k, v))
         if enabled_local_tensor_mode() is not None or q.shape[-2] == 0:
             # As in haloshard.attention: LocalTensorMode picks one SDPA kernel for all
             # simulated ranks, and the CPU flash kernel divides by zero on an idle rank.
             s = scale if scale is not None else q.shape[-1] ** -0.5
             return torch.softmax(q @ k_all.transpose(-2, -1) * s, dim=-1) @ v_all
         return F.scaled_dot_product_attention(q, k_all, v_all, scale=scale)
-
-
-def _gather_tokens(t: torch.Tensor, frame: int, group: tuple[DeviceMesh, int], frames: int
-                   ) -> torch.Tensor:
-    """`(..., T_r * S, E) -> (..., T * S, E)`: tokens gathered in frames of S. Not a gather
-    of a `(..., T_r, S, E)` view: that reshape of a per-rank length is not supported under
-    LocalTensorMode."""
-    return gather_along(t, t.ndim - 2, group, global_length=frames, frame=frame)
 
 
 @maybe_run_for_local_tensor

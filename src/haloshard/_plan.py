@@ -45,13 +45,12 @@ class HaloFill:
     """Where the halo slices go in a `left + gap + right` long buffer along the dim.
 
     The output positions of each received slice's first use (`recv_pos`, one per received
-    slice, in order) and of each own slice's (`own_pos`, for `self_idx`; `own_src` repeats
-    `self_idx`), the zero positions, and the repeated uses of a received or own slice
-    (replicate, reflect and circular can repeat one) with the slot they repeat.
+    slice, in order) and of each own slice's (`own_pos`, for the plan's `self_idx`), the zero
+    positions, and the repeated uses of a received or own slice (replicate, reflect and
+    circular can repeat one) with the slot they repeat (and, for own slices, its source).
     """
 
     recv_pos: tuple[int, ...]
-    own_src: tuple[int, ...]
     own_pos: tuple[int, ...]
     zero_pos: tuple[int, ...]
     dup_recv_pos: tuple[int, ...]
@@ -79,7 +78,6 @@ def halo_fill(plan: ExchangePlan, gap: int) -> HaloFill:
     own_slots = [slot - n_recv for _, slot in dups if slot >= n_recv]
     return HaloFill(
         recv_pos=tuple(first[s] for s in range(n_recv)),
-        own_src=plan.self_idx,
         own_pos=tuple(first[n_recv + k] for k in range(n_own)),
         zero_pos=tuple(pos for pos, slot in uses if slot == n_recv + n_own),
         dup_recv_pos=tuple(pos for pos, slot in dups if slot < n_recv),
@@ -150,15 +148,13 @@ def exchange_plan(
              for q in range(world)]
     gather_len = max([0, *(len(u) for u in union)])
     slot = {g: q * gather_len + i for q, u in enumerate(union) for i, g in enumerate(u)}
-    left_idx = tuple(zero if g is None else position[g] for g in lefts)
-    right_idx = tuple(zero if g is None else position[g] for g in rights)
     return ExchangePlan(
         send_idx=send_idx,
         send_splits=tuple(len(w) for w in theirs),
         recv_splits=tuple(len(w) for w in mine),
         self_idx=tuple(g - starts[rank] for g in own),
-        left_idx=left_idx,
-        right_idx=right_idx,
+        left_idx=tuple(zero if g is None else position[g] for g in lefts),
+        right_idx=tuple(zero if g is None else position[g] for g in rights),
         gather_idx=tuple(g - starts[rank] for g in union[rank]),
         gather_len=gather_len,
         gather_pick=tuple(slot[g] for g in recv_order),
