@@ -23,6 +23,7 @@ from haloshard._norms import group_norm
 from haloshard._redistribute import redistribute
 from haloshard._specs import ConvStencil, ResampleStencil, TransposeStencil
 from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
+from haloshard._verify import PlanReport, verify_plan
 
 __all__ = [
     # layout
@@ -57,6 +58,9 @@ __all__ = [
     "group_norm",
     "attention",
     "gather_along",
+    # checking a plan against one device
+    "verify_plan",
+    "PlanReport",
     # errors
     "HaloError",
 ]
