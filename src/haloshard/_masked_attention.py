@@ -1,0 +1,111 @@
+"""Attention over tokens grouped in frames, with an optional frame-causal mask, on Shard(T).
+
+Causal video VAEs attend over all T*H*W tokens with a block-causal mask (a token of frame t
+sees every token of frames <= t: HunyuanVideo's mid-block), or along T per pixel with a
+causal mask (Mochi). Built on one device, that mask is a dense `(T*H*W)^2` tensor; serving
+stacks have run out of memory building it. Here each rank builds only its queries' part,
+`(T_r, T)` frame indices, compared by broadcasting: no `(N_r, N)` tensor of booleans is ever
+materialised apart from the scores themselves. Keys and values are all-gathered along T
+(`gather_along`); the backward reduce-scatters their gradients.
+
+Tokens stay in `(..., T_r, S, E)` form (S tokens per frame) throughout: flattening a
+per-rank T_r into tokens is a reshape that `LocalTensorMode` cannot run, and keeping the
+frame axis makes the mask a broadcast.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run_for_local_tensor
+
+from haloshard._attention import gather_along
+from haloshard._comm import Group, GroupLike, resolve_group
+from haloshard._errors import HaloError
+from haloshard._layout import shard_size_and_offset, shard_sizes
+
+
+@maybe_run_for_local_tensor
+def _later(rank: int, length: int, world: int, per_frame: int, padded: bool,
+           device: torch.device) -> torch.Tensor:
+    """`(S * rows, T * S)`: True where a key's frame is after the query's frame; queries in
+    (s, t) order, keys in (t, s) order. Padding rows beyond the chunk count on (they see
+    every key, so no row is all -inf)."""
+    size, offset = shard_size_and_offset(length, world, rank)
+    rows = shard_sizes(length, world)[0] if padded else size
+    queries = torch.arange(offset, offset + rows, device=device).repeat(per_frame)
+    keys = torch.arange(length, device=device).repeat_interleave(per_frame)
+    return keys[None, :] > queries[:, None]
+
+
+def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike, *,
+                    global_length: int, causal: bool = True, scale: float | None = None,
+                    frames: int | torch.SymInt | None = None) -> torch.Tensor:
+    """Softmax attention of this rank's frames' queries over every frame's keys and values.
+
+    Forward: q, k, v `(..., T_r, S, E)` -> `(..., T_r, S, E)`, keys and values all-gathered
+    along T; with `causal`, a query of global frame t attends to the tokens of frames <= t
+    only (block-causal over `T*S` tokens). Backward: exact; dK and dV are reduce-scattered.
+
+    Args:
+        q, k, v: this rank's `Shard(T)` chunk, frames at dim -3, S tokens per frame at -2.
+        group: the ranks sharing T.
+        global_length: the global number of frames T.
+        causal: mask keys of later frames.
+        scale: the score scale; default `E ** -0.5` (as `scaled_dot_product_attention`).
+        frames: this rank's real frames when q, k, v are padded (at the end) to the longest
+            chunk, `shard_sizes(T, P)[0]` frames; None: no padding. Padding keeps shapes
+            equal across simulated ranks (under `LocalTensorMode` some kernels branch on
+            sizes); its outputs are to be dropped.
+
+    Returns:
+        This rank's chunk of the attention output, `(..., T_r, S, E)`.
+
+    Raises:
+        HaloError: when q, k, v are not at least 3-D or differ in shape.
+
+    Example::
+        >>> frame_attention(q, q, q, mesh, global_length=9).shape  # q: (1, 2, 3, 16, 4)
+        torch.Size([1, 2, 3, 16, 4])
+    """
+    if q.ndim < 3 or q.shape != k.shape or k.shape != v.shape:
+        raise HaloError(f"frame_attention expects q, k, v of one shape (..., T_r, S, E), got "
+                        f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    grp = resolve_group(group)
+    longest = shard_sizes(global_length, grp.size)[0]
+    if frames is None and enabled_local_tensor_mode() is not None:
+        n = q.shape[-3]
+        padded = F.pad(q, (0, 0, 0, 0, 0, lack(n, longest)))
+        out = _attend(padded, k, v, group, grp, global_length, causal, scale, True)
+        return out.narrow(-3, 0, n)
+    if frames is not None:
+        k, v = k.narrow(-3, 0, frames), v.narrow(-3, 0, frames)
+    return _attend(q, k, v, group, grp, global_length, causal, scale, frames is not None)
+
+
+@maybe_run_for_local_tensor
+def lack(n: int, longest: int) -> int:
+    """Frames a chunk of `n` lacks to `longest` (per simulated rank)."""
+    return longest - n
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike, grp: Group,
+            length: int, causal: bool, scale: float | None, padded: bool) -> torch.Tensor:
+    """Queries `(..., rows, S, E)` (padded: the longest chunk) over the gathered k, v."""
+    k_all, v_all = (gather_along(t, t.ndim - 3, group, global_length=length)
+                    for t in (k, v))
+    s = scale if scale is not None else q.shape[-1] ** -0.5
+    # Queries as rows (s, t): (..., S * rows, E), one plain matmul against every key. The
+    # per-rank T_r must stay out of broadcast batch dims: under LocalTensorMode matmul
+    # branches on those sizes, which then differ between simulated ranks.
+    per_frame = q.shape[-2]
+    rows = shard_sizes(length, grp.size)[0] if padded else q.shape[-3]
+    queries = q.transpose(-3, -2).contiguous().flatten(-3, -2)
+    k_flat, v_flat = (t.flatten(-3, -2) for t in (k_all, v_all))
+    scores = (queries @ k_flat.transpose(-2, -1)) * s  # (..., S * rows, T * S)
+    if causal:
+        later = _later(grp.rank, length, grp.size, per_frame, padded, q.device)
+        scores = scores.masked_fill(later, float("-inf"))
+    # frame t always sees itself: no row is all -inf
+    out = torch.softmax(scores, dim=-1) @ v_flat
+    return out.unflatten(-2, (per_frame, rows)).transpose(-3, -2)

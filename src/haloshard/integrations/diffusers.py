@@ -1,0 +1,321 @@
+"""Context-parallel plans for the video VAEs of diffusers 0.42.1, T sharded over a mesh.
+
+`plan_for(module)` returns the `parallelize_module` plan of a VAE, its encoder or its
+decoder, dispatching on the class. Supported (exact against one device, forward and
+backward, checked with `haloshard.verify_plan` in the tests):
+
+- `AutoencoderKLHunyuanVideo`: encoder and decoder, mid-block attention included.
+
+Each plan covers every layer with parameters or a temporal extent, by class; a layer of a
+kind the plan does not know raises `HaloError` naming it by fqn, rather than being left to
+DTensor's default dispatch. The styles that only these models need live here:
+
+- `HunyuanMidBlockParallel`: the mid-block builds a block-causal `(THW)^2` frame mask in its
+  own forward and hands it to a diffusers `Attention`. The style runs the block's resnets
+  (each with its own plan entries) and replaces the attention by `frame_attention` on this
+  rank's queries (K/V gathered along T, the mask built per rank from frame positions, never
+  densely); the attention's parameters and GroupNorm are used as its `AttnProcessor2_0`
+  would. Empty shards run no diffusers attention code.
+- `HunyuanUpsampleParallel`: "keep the first frame, repeat the others `f` times, then a
+  causal conv": the module runs on a window that starts early enough for the causal conv
+  to see real frames (FirstFrameParallel's window gives it one input frame only).
+
+diffusers is imported only when a function here is called.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._local_tensor import enabled_local_tensor_mode
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from haloshard._errors import HaloError
+from haloshard._hooks import _HANDLE, Annotation, HaloHandle, _dtensor_site, attach, handle_of
+from haloshard._layer_styles import CausalConvParallel, GroupNormParallel, LocalParallel
+from haloshard._layout import PadMode, shard_sizes
+from haloshard._masked_attention import frame_attention, lack
+from haloshard._norms import group_norm
+
+DIFFUSERS_VERSION = "0.42.1"
+_PAD = {"replicate": "replicate", "constant": "zeros", "zeros": "zeros"}
+
+
+def _check_class(module: nn.Module, name: str, style: str) -> None:
+    if type(module).__name__ != name:
+        raise HaloError(f"{style} applies to diffusers' {name}, got {type(module).__name__}")
+
+
+# ---------------------------------------------------------------- HunyuanVideo upsampler
+@dataclass(frozen=True)
+class UpCausalStencil:
+    """Keep the first frame, repeat each later frame `factor` times, then a causal conv of
+    `span` frames (its own replicate padding): output length `1 + (T - 1) * factor`.
+
+    The window starts where the conv's `span - 1` frames of history are real frames of
+    the window (not its own padding), or at frame 0.
+
+    Example::
+        >>> UpCausalStencil(2, 3).window(5, 9)  # outputs 5..8 need up-frames 3..8
+        (1, 5, 3)
+    """
+
+    factor: int
+    span: int
+    pad: PadMode = "zeros"  # never used: windows stay inside [0, T)
+    fill: float | None = None
+    min_input: int = 1
+
+    def out_length(self, length: int) -> int:
+        return 0 if length <= 0 else 1 + (length - 1) * self.factor
+
+    def window(self, start: int, stop: int) -> tuple[int, int, int]:
+        f, first = self.factor, start - (self.span - 1)
+        # a window from input i0 >= 1 yields x_i0 once, at global up-frame i0 * f
+        i0 = 0 if first <= 0 else first // f
+        i1 = 1 if stop == 1 else (stop - 2) // f + 2
+        return i0, i1, start - i0 * f
+
+
+class HunyuanUpsampleParallel(ParallelStyle):
+    """`HunyuanVideoUpsampleCausal3D` on `Shard(T)`: exact for any temporal factor.
+
+    Its forward (interpolate the first frame spatially, the others by `upsample_factor`,
+    then its `HunyuanVideoCausalConv3d`) runs unedited on a window of its input.
+
+    Raises:
+        HaloError: in `_apply` for another class, a non-integer temporal factor, or a conv
+            that is not causal with replicate padding and stride 1 along T.
+    """
+
+    def __init__(self, *, dim: int = 2) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"HunyuanUpsampleParallel(dim={self.dim})"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_class(module, "HunyuanVideoUpsampleCausal3D", "HunyuanUpsampleParallel")
+        factor, wrapper = module.upsample_factor[0], module.conv
+        conv = wrapper.conv
+        k, stride, dilation = conv.kernel_size[0], conv.stride[0], conv.dilation[0]
+        span = dilation * (k - 1) + 1
+        if (factor != int(factor) or factor < 1 or stride != 1 or conv.padding[0] != 0
+                or wrapper.time_causal_padding[4:] != (k - 1, 0) or dilation != 1
+                or wrapper.pad_mode != "replicate"):
+            raise HaloError(f"HunyuanUpsampleParallel expects an integer temporal factor and "
+                            f"a causal replicate conv of stride 1, got factor {factor}, "
+                            f"kernel {k}, stride {stride}, dilation {dilation}, padding "
+                            f"{wrapper.time_causal_padding}, pad_mode {wrapper.pad_mode!r}")
+        attach(module, Annotation(None, self.dim, UpCausalStencil(int(factor), span)),
+               device_mesh)
+        return module
+
+
+# ---------------------------------------------------------------- HunyuanVideo mid-block
+class _MidBlockForward:
+    """The mid-block's forward on a `Shard(T)` DTensor; an object so deep copies rebind."""
+
+    previous: Callable[..., Any] | None = None
+
+    def __init__(self, module: nn.Module, dim: int) -> None:
+        self.module, self.dim = module, dim
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _MidBlockForward:
+        import copy
+
+        new = _MidBlockForward(copy.deepcopy(self.module, memo), self.dim)
+        new.previous = copy.deepcopy(self.previous, memo)
+        return new
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, DTensor):
+            raise HaloError(f"HunyuanMidBlockParallel needs a Shard({self.dim}) DTensor input, "
+                            f"got {type(x).__name__}")
+        m = self.module
+        checkpoint = torch.is_grad_enabled() and m.gradient_checkpointing
+
+        def run(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+            return m._gradient_checkpointing_func(block, h) if checkpoint else block(h)
+
+        h = run(m.resnets[0], x)
+        for attn, resnet in zip(m.attentions, m.resnets[1:], strict=True):
+            if attn is not None:
+                h = _causal_attention(attn, h, self.dim)
+            h = run(resnet, h)
+        return h
+
+
+def _causal_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
+    """`Attention` (AttnProcessor2_0) over the T*H*W tokens of `h` with the mid-block's
+    block-causal frame mask: the processor's steps on this rank's `(B, C, T_r, H, W)`."""
+    site = _dtensor_site(h, dim)
+    x, group, n = site.local, (site.mesh, site.axis), site.local.shape[dim]
+    gn = attn.group_norm
+    y = x if gn is None else group_norm(x, gn.num_groups, gn.weight, gn.bias, gn.eps, group)
+    if enabled_local_tensor_mode() is not None:
+        # Simulated ranks: pad every chunk to the longest; some kernels' backward branches
+        # on sizes that would otherwise differ between ranks. The padding is dropped below.
+        longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
+        y = F.pad(y, (0, 0, 0, 0, 0, lack(n, longest)))
+    tokens = y.movedim(1, -1).contiguous()  # (B, T_r, H, W, C)
+    height, width = tokens.shape[2], tokens.shape[3]
+    q, k, v = (_heads(lin(tokens), attn.heads) for lin in (attn.to_q, attn.to_k, attn.to_v))
+    o = frame_attention(q, k, v, group, global_length=site.length, causal=True, frames=n)
+    o = o.permute(0, 2, 3, 1, 4).flatten(-2)  # (B, T_r, H*W, C)
+    o = attn.to_out[1](attn.to_out[0](o)).unflatten(2, (height, width)).movedim(-1, 1)
+    o = o.narrow(dim, 0, n)
+    if attn.residual_connection:
+        o = o + x
+    o = o / attn.rescale_output_factor
+    stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
+    return DTensor.from_local(o, site.mesh, site.placements, run_check=False, shape=h.shape,
+                              stride=stride)
+
+
+def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """`(B, T_r, H, W, heads * E) -> (B, heads, T_r, H * W, E)`."""
+    t = t.unflatten(-1, (heads, t.shape[-1] // heads)).flatten(2, 3)
+    return t.permute(0, 3, 1, 2, 4)
+
+
+def _check_attention(attn: nn.Module, fqn: str) -> None:
+    processor = type(getattr(attn, "processor", None)).__name__
+    extras = [name for name in ("spatial_norm", "norm_q", "norm_k", "norm_cross")
+              if getattr(attn, name, None)]
+    if (processor != "AttnProcessor2_0" or extras or attn.is_cross_attention
+            or not isinstance(attn.group_norm, (nn.GroupNorm, type(None)))):
+        raise HaloError(f"HunyuanMidBlockParallel knows diffusers' Attention with "
+                        f"AttnProcessor2_0 and a GroupNorm only; {fqn} has processor "
+                        f"{processor}, extra norms {extras}, cross attention "
+                        f"{attn.is_cross_attention}")
+
+
+class HunyuanMidBlockParallel(ParallelStyle):
+    """`HunyuanVideoMidBlock3D` on `Shard(T)` with its block-causal attention, exact.
+
+    Its resnets run through their own plan entries; each attention runs as its processor
+    does, with `frame_attention(causal=True)` in place of SDPA over a dense mask. Memory per
+    rank: the full K and V, and scores for this rank's queries only (`N / P * N` per head).
+
+    Raises:
+        HaloError: in `_apply` for another class or an attention this style does not know
+            (another processor, cross attention, extra norms); at run time for a plain
+            tensor input.
+    """
+
+    def __init__(self, *, dim: int = 2) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"HunyuanMidBlockParallel(dim={self.dim})"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_class(module, "HunyuanVideoMidBlock3D", "HunyuanMidBlockParallel")
+        for i, attn in enumerate(module.attentions):
+            if attn is not None:
+                _check_attention(attn, f"attentions.{i}")
+        if handle_of(module) is not None:
+            raise HaloError("a haloshard style is already applied to HunyuanVideoMidBlock3D; "
+                            "call its handle's remove() first")
+        forward = _MidBlockForward(module, self.dim)
+        forward.previous = module.__dict__.get("forward")
+        module.forward = forward
+        setattr(module, _HANDLE, HaloHandle(module, {}, forward.previous))
+        return module
+
+
+# ---------------------------------------------------------------- plans
+# class name -> (style for it, whether the style covers the module's children too)
+_Rule = tuple[Callable[[nn.Module], ParallelStyle | None], bool]
+
+
+def _causal_conv(module: nn.Module) -> ParallelStyle:
+    mode = module.pad_mode
+    if mode not in _PAD:
+        raise HaloError(f"a causal conv with pad_mode {mode!r} is not supported; expected "
+                        f"one of {sorted(_PAD)}")
+    return CausalConvParallel(pad=_PAD[mode])  # type: ignore[arg-type]
+
+
+_HUNYUAN: dict[str, _Rule] = {
+    "HunyuanVideoCausalConv3d": (_causal_conv, True),
+    "HunyuanVideoUpsampleCausal3D": (lambda m: HunyuanUpsampleParallel(), True),
+    "HunyuanVideoMidBlock3D": (lambda m: HunyuanMidBlockParallel(), False),
+    "Attention": (lambda m: None, True),  # run by the mid-block's style
+    "GroupNorm": (lambda m: GroupNormParallel(), True),
+    "Conv3d": (lambda m: _pointwise(m), True),  # quant_conv, post_quant_conv
+}
+
+_PLANS: dict[str, dict[str, _Rule]] = {
+    "AutoencoderKLHunyuanVideo": _HUNYUAN,
+    "HunyuanVideoEncoder3D": _HUNYUAN,
+    "HunyuanVideoDecoder3D": _HUNYUAN,
+}
+
+
+def _pointwise(module: nn.Module) -> ParallelStyle:
+    if any(k != 1 for k in module.kernel_size) or any(s != 1 for s in module.stride):
+        raise HaloError(f"a bare Conv3d outside a causal wrapper is planned only with kernel "
+                        f"and stride 1, got kernel {module.kernel_size}, stride "
+                        f"{module.stride}")
+    return LocalParallel()
+
+
+def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
+    """The `parallelize_module` plan of a diffusers video VAE, encoder or decoder.
+
+    Args:
+        module: `AutoencoderKLHunyuanVideo`, or its `.encoder` / `.decoder`.
+
+    Returns:
+        `{fqn: style}` for every layer that needs one, relative to `module`.
+
+    Raises:
+        HaloError: for an unsupported class, or a layer with parameters that the plan does
+            not know (named by fqn).
+
+    Example::
+        >>> plan = plan_for(vae.decoder)
+        >>> parallelize_module(vae.decoder, mesh, plan)
+        >>> vae.decoder(distribute_tensor(z, mesh, [Shard(2)])).shape  # z: (1, 16, 5, 8, 8)
+        torch.Size([1, 3, 17, 64, 64])
+    """
+    rules = _PLANS.get(type(module).__name__)
+    if rules is None:
+        raise HaloError(f"no haloshard plan for {type(module).__name__}; supported: "
+                        f"{sorted(_PLANS)} (diffusers=={DIFFUSERS_VERSION})")
+    for name in ("use_tiling", "use_slicing"):
+        if getattr(module, name, False):
+            raise HaloError(f"{type(module).__name__}.{name} is on; disable it "
+                            f"(disable_tiling()/disable_slicing()): tiles would be sharded "
+                            "on their own")
+    plan: dict[str, ParallelStyle] = {}
+    covered: list[str] = []
+    for fqn, sub in module.named_modules():
+        if any(fqn.startswith(f"{c}.") for c in covered):
+            continue
+        rule = rules.get(type(sub).__name__)
+        if rule is None:
+            own = [n for n, _ in sub.named_parameters(recurse=False)]
+            if own:
+                raise HaloError(f"{fqn} ({type(sub).__name__}) has parameters {own} but the "
+                                f"{type(module).__name__} plan does not know its class")
+            continue
+        style = rule[0](sub)
+        if style is not None:
+            plan[fqn] = style
+        if rule[1]:
+            covered.append(fqn)
+    return plan
+
