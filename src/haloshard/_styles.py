@@ -17,7 +17,14 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from haloshard import _comm
 from haloshard._errors import HaloError
-from haloshard._hooks import HaloHandle, annotation_of, attach, handle_of, resolve
+from haloshard._hooks import (
+    HaloHandle,
+    annotation_of,
+    attach,
+    handle_of,
+    names_errors,
+    resolve,
+)
 from haloshard._layout import HaloShard
 from haloshard._specs import DERIVABLE, STENCILS, Stencil, spatial_index
 
@@ -42,6 +49,11 @@ class HaloParallel(ParallelStyle):
         dim: the sharded dim of the module's input.
         overlap: run a stride-1 conv that keeps the length as `halo_conv` (its interior is
             computed while the halo travels); False exchanges first, then runs the module.
+            A conv subclass with a forward of its own always runs that forward.
+
+    A module may return a tuple whose first element is its output (`(output, cache)`): that
+    element is sharded and the others come back as None, since a window's cache is not the
+    single-device one.
 
     Raises:
         HaloError: in `_apply`, for a module whose halo cannot be derived, a spec that does
@@ -70,6 +82,7 @@ class HaloParallel(ParallelStyle):
         extra = "" if self.overlap else ", overlap=False"
         return f"HaloParallel(spec={self.spec!r}, dim={self.dim}{extra})"
 
+    @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         attach(module, resolve(module, self.spec, dim=self.dim), device_mesh,
                overlap=self.overlap)
