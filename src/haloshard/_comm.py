@@ -227,7 +227,7 @@ def all_gather(buf: torch.Tensor, group: Group, what: str = "all-gather") -> tor
         return funcol.all_gather_single(buf, 0, group.funcol_group)
     buf = buf.contiguous()
     out = buf.new_empty((group.size * buf.shape[0], *buf.shape[1:]))
-    work = dist.all_gather_into_tensor(out, buf, group=group.pg, async_op=True)
+    work = dist.all_gather_single(out, buf, group=group.pg, async_op=True)
     waited(what, work.wait)
     return out
 
@@ -239,7 +239,7 @@ def reduce_scatter(buf: torch.Tensor, group: Group, what: str = "reduce-scatter"
         return funcol.reduce_scatter_single(buf, "sum", 0, group.funcol_group)
     buf = buf.contiguous()
     out = buf.new_empty((buf.shape[0] // group.size, *buf.shape[1:]))
-    work = dist.reduce_scatter_tensor(out, buf, group=group.pg, async_op=True)
+    work = dist.reduce_scatter_single(out, buf, group=group.pg, async_op=True)
     waited(what, work.wait)
     return out
 
