@@ -26,7 +26,13 @@ Supported on a `HaloShard` DTensor:
   leaky_relu, gelu, silu, tanh, sigmoid, neg, abs, exp, add, sub, mul, div, clone,
   zeros_like, dtype casts (`_to_copy`), in-place relu_/add_/mul_, and their backward ops.
   With `pad='zeros'` the edge halos must stay zero: ops that move zero (`sigmoid`, `exp`,
-  `x * inf`) raise, and so does adding or subtracting a scalar (even 0).
+  `x * inf`) raise, and so does adding or subtracting a scalar (even 0). torch caches
+  propagation by argument types, not scalar values, so ops whose effect on zero depends on a
+  scalar (`x * c`, `x / c`, `add(alpha=)`) are also judged on every call by a handler.
+- `to_local()`, differentiably (torch's own backward cannot rebuild a custom placement).
+
+Wherever a `HaloShard` DTensor enters (redistribute, `to_local`, convolution, scalar ops) its
+local length is checked against the placement: `DTensor.from_local` checks nothing.
 - detach and alias.
 
 Gradients of a `HaloShard` DTensor carry the same placement and hold d(loss)/d(local
