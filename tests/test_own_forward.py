@@ -214,3 +214,43 @@ def on_gloo() -> None:
 @pytest.mark.gloo
 def test_gloo(gloo: Callable[[int], Any]) -> None:
     gloo(3).run(on_gloo, timeout=300)
+
+
+def waiting_rank_names_the_module(timeout_s: float) -> tuple[str, float]:
+    """Rank 1 raises before the model's halo layer; rank 0, waiting in that layer's
+    collective, raises HaloError naming the layer by its fqn within the bound."""
+    import time
+    from collections import OrderedDict
+
+    import haloshard
+
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    haloshard.set_timeout(mesh, timeout_s)
+    inner = nn.Sequential(OrderedDict(conv_in=nn.Conv3d(1, 1, 3, padding=1)))
+    model = nn.Sequential(OrderedDict(decoder=inner))
+    parallelize_module(model, mesh, {"decoder.conv_in": HaloParallel()})
+    if rank == 1:
+        return "raised in its own code", 0.0
+    x = DTensor.from_local(torch.ones(1, 1, 2, 2, 2), mesh, [Shard(2)], shape=(1, 1, 4, 2, 2),
+                           stride=(16, 16, 4, 2, 1))
+    start = time.perf_counter()
+    try:
+        model(x)
+    except HaloError as error:
+        return f"HaloError: {error}", time.perf_counter() - start
+    return "ok", time.perf_counter() - start
+
+
+@pytest.mark.gloo
+def test_waiting_rank_names_the_module() -> None:
+    from haloshard.testing import GlooWorld
+
+    timeout_s = 3.0
+    world = GlooWorld(2, pg_timeout=60, timeout=120)
+    try:
+        (text, seconds), _ = world.run(waiting_rank_names_the_module, timeout_s)
+    finally:
+        world.close(force=True)  # a group timed out: it cannot be reused
+    assert text.startswith("HaloError: the halo metadata exchange for decoder.conv_in "
+                           "(Conv3d) did not complete"), text
+    assert seconds < 6 * timeout_s, seconds  # the bound, plus a loaded machine

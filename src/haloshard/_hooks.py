@@ -309,10 +309,14 @@ class _HaloForward:
             # The enclosing halo module already supplied this module's halo.
             with _swapped(self.module, self.saved):
                 return self.original(x, *args, **kwargs)
+        # Collectives that time out waiting for another rank name this module.
+        label, _comm.current_label = _comm.current_label, self.name
         try:
             return self.sharded(x, *args, **kwargs)
         except HaloError as error:
             raise named(error, self.name) from error
+        finally:
+            _comm.current_label = label
 
     def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         annotation = self.annotation

@@ -143,10 +143,14 @@ class _LocalForward:
             # Inside a halo module the input is a window, not a shard: local ops pass
             # through, anything with global statistics would be wrong (see subclasses).
             return self.inside(x, *args, **kwargs)
+        # Collectives that time out waiting for another rank name this module.
+        label, _comm.current_label = _comm.current_label, self.name or type(self.module).__name__
         try:
             return self.sharded(x, *args, **kwargs)
         except HaloError as error:
             raise named(error, self.name or type(self.module).__name__) from error
+        finally:
+            _comm.current_label = label
 
     def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         site = self.site(x)
