@@ -174,8 +174,8 @@ def cp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     kinds: dict[type, Any] = {
         CausalConv3d: CausalConvParallel, nn.GroupNorm: GroupNormParallel,
         Attention: AttentionParallel, FrameNorm: LocalParallel, nn.Conv3d: LocalParallel,
-        TimeDown: lambda: FirstFrameParallel(2, "down"),
-        TimeUp: lambda: FirstFrameParallel(2, "up")}
+        TimeDown: lambda: FirstFrameParallel(2, "down", even="first"),
+        TimeUp: lambda: FirstFrameParallel(2, "up", even="first")}
     plan: dict[str, ParallelStyle] = {}
     for fqn, module in model.named_modules():
         owner = next((p for p in plan if fqn.startswith(p + ".")), None)

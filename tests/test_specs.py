@@ -15,6 +15,7 @@ import contextlib
 import copy
 import math
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from haloshard._specs import (
     ResampleStencil,
     TransposeStencil,
     check_spec,
+    conv_padding,
     derive_stencil,
     local_attrs,
     plan_windows,
@@ -304,3 +306,30 @@ def test_explicit_spec_replay() -> None:
     for world in (2, 3, 4, 6):
         got = _replay(module, full, 2, world, spec=spec)
         torch.testing.assert_close(got, module(full), **TOL)
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: ConvStencil(span=0), "span >= 1"),
+    (lambda: TransposeStencil(kernel=0), "kernel, stride, dilation >= 1"),
+    (lambda: TransposeStencil(kernel=3, stride=2, output_padding=2), "output_padding=2"),
+    (lambda: TransposeStencil(kernel=3, padding=-1), "padding=-1"),
+    (lambda: ResampleStencil(0), "factor=0"),
+    (lambda: ResampleStencil(1.5), "factor=1.5"),  # type: ignore[arg-type]
+    (lambda: ResampleStencil(2, "cubic"), "mode='cubic'"),
+])
+def test_stencils_validate_fields(make: Any, match: str) -> None:
+    with pytest.raises(HaloError, match=re.escape(match)):
+        make()
+
+
+def test_conv_padding_reads_the_public_attribute() -> None:
+    """A subclass that resets `padding` after __init__ (diffusers' Wan conv) is read from
+    `padding`; torch's private record is stale then."""
+    conv = nn.Conv3d(1, 1, 3, padding=1)
+    conv.padding = (0, 1, 1)
+    assert conv_padding(conv) == [(0, 0), (1, 1), (1, 1)]
+    assert derive_stencil(conv, 2) == ConvStencil(span=3)
+    assert local_attrs(conv, 3)["_reversed_padding_repeated_twice"] == [1, 1, 0, 0, 0, 0]
+    conv.padding_mode = "replicate"  # torch would pad by the stale record now
+    with pytest.raises(HaloError, match="torch will pad"):
+        derive_stencil(conv, 2)

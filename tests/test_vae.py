@@ -118,6 +118,27 @@ class PoolDown(nn.Module):
         return torch.cat([x[:, :, :1], pooled * 2.0], dim=2)
 
 
+class ParityDown(nn.Module):
+    """CogVideoX's `DownSample3D` along T: odd T keeps the first frame and averages the
+    following pairs; even T averages pairs from frame 0 (it branches on its input)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[2] % 2:
+            rest = x[:, :, 1:]
+            return torch.cat([x[:, :, :1], (rest[:, :, 0::2] + rest[:, :, 1::2]) / 2], dim=2)
+        return (x[:, :, 0::2] + x[:, :, 1::2]) / 2
+
+
+class ParityUp(nn.Module):
+    """CogVideoX's `Upsample3D` along T: odd T > 1 keeps the first frame and repeats the
+    others twice; even T repeats every frame twice; T = 1 stays one frame."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[2] > 1 and x.shape[2] % 2:
+            return torch.cat([x[:, :, :1], x[:, :, 1:].repeat_interleave(2, dim=2)], dim=2)
+        return x.repeat_interleave(2, dim=2) if x.shape[2] > 1 else x * 1.0
+
+
 class ChannelLayerNorm(nn.Module):
     """LayerNorm over channels of a (B, C, T, H, W) tensor (channels-last norm)."""
 
@@ -147,11 +168,16 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], tuple[int, .
     "causal_k4_stride2_dil2_zeros": (lambda: CausalConv(4, 2, 2, "zeros"),
                                      lambda: CausalConvParallel(pad="zeros"), (1, 2, 0, 1, 2)),
     "causal_k2_stride2": (lambda: CausalConv(2, 2), CausalConvParallel, (1, 2, 0, 1, 3)),
-    "first_frame_down2": (vae.TimeDown, lambda: FirstFrameParallel(2, "down"),
+    "first_frame_down2": (vae.TimeDown, lambda: FirstFrameParallel(2, "down", even="first"),
                           (1, 2, 0, 2, 2)),
-    "first_frame_down3": (lambda: PoolDown(3), lambda: FirstFrameParallel(3, "down"),
-                          (1, 2, 0, 1, 2)),
-    "first_frame_up2": (vae.TimeUp, lambda: FirstFrameParallel(2, "up"), (1, 2, 0, 2, 2)),
+    "first_frame_down3": (lambda: PoolDown(3),
+                          lambda: FirstFrameParallel(3, "down", even="first"), (1, 2, 0, 1, 2)),
+    "first_frame_up2": (vae.TimeUp, lambda: FirstFrameParallel(2, "up", even="first"),
+                        (1, 2, 0, 2, 2)),
+    "parity_down2": (ParityDown, lambda: FirstFrameParallel(2, "down", even="all"),
+                     (1, 2, 0, 2, 2)),
+    "parity_up2": (ParityUp, lambda: FirstFrameParallel(2, "up", even="all"),
+                   (1, 2, 0, 2, 2)),
     "attention": (lambda: vae.Attention(4, 2), AttentionParallel, (1, 4, 0, 2, 3)),
 }
 
@@ -281,6 +307,11 @@ def case_errors(mesh: DeviceMesh, seed: int) -> None:
         manual(sharded(mesh, full)[0])
     with pytest.raises(HaloError, match="direction"):
         FirstFrameParallel(2, "sideways")  # type: ignore[arg-type]
+    # an even T with the module's rule for it undeclared: either guess could be wrong
+    down = ParityDown()
+    parallelize_module(down, mesh, {"": FirstFrameParallel(2, "down")})
+    with pytest.raises(HaloError, match=r"\(ParityDown\): .*even length 6"):
+        down(sharded(mesh, _data((1, 2, 6, 1, 2), seed))[0])
 
 
 class ManualAttention(nn.Module):
@@ -350,12 +381,18 @@ def case_model_float32(mesh: DeviceMesh, length: int, seed: int) -> None:
 
 # ---------------------------------------------------------------- pure arithmetic
 @pytest.mark.parametrize("direction", ["down", "up"])
-@pytest.mark.parametrize("factor", [1, 2, 3])
-def test_first_frame_stencil(direction: str, factor: int) -> None:
-    """The module run on each window, cut at the offset, gives exactly the wanted outputs."""
-    stencil = FirstFrameStencil(factor, direction)  # type: ignore[arg-type]
+@pytest.mark.parametrize(("factor", "even"), [(1, "first"), (2, "first"), (3, "first"),
+                                              (2, "all")])
+def test_first_frame_stencil(direction: str, factor: int, even: str) -> None:
+    """The module run on each window, cut at the offset, gives exactly the wanted outputs.
+    With even="all" the module branches on the parity of its input, as CogVideoX's do."""
+    ruled = FirstFrameStencil(factor, direction, even=even)  # type: ignore[arg-type]
 
     def module(frames: list[int]) -> list[Any]:  # frame ids in, what each output reads out
+        if even == "all" and len(frames) % 2 == 0:
+            if direction == "up":
+                return [i for i in frames for _ in range(factor)]
+            return [tuple(frames[j : j + 2]) for j in range(0, len(frames), 2)]
         rest = frames[1:]
         if direction == "up":
             return frames[:1] + [i for i in rest for _ in range(factor)]
@@ -364,20 +401,23 @@ def test_first_frame_stencil(direction: str, factor: int) -> None:
 
     for length in range(1, 12):
         whole = module(list(range(length)))
+        stencil = ruled.at_length(length)
         assert stencil.out_length(length) == len(whole)
         for start in range(len(whole)):
             for stop in range(start + 1, len(whole) + 1):
                 i0, i1, offset = stencil.window(start, stop)
-                assert 0 <= i0 < i1 <= length, (length, start, stop, i0, i1)
-                local = module(list(range(i0, i1)))
+                # a parity-widened window may read one frame past the end (a pad frame,
+                # here -1, whose outputs are dropped)
+                assert 0 <= i0 < i1 <= length + (even == "all"), (length, start, stop, i0, i1)
+                local = module([i if i < length else -1 for i in range(i0, i1)])
                 assert local[offset : offset + stop - start] == whole[start:stop]
         for world in (2, 3, 4):
-            plan_windows(stencil, length, world)
+            plan_windows(ruled, length, world)
 
 
 # ---------------------------------------------------------------- simulated ranks
 @pytest.mark.simulated
-@pytest.mark.parametrize(("world", "lengths"), [(3, (7,)), (4, (3, 9))])
+@pytest.mark.parametrize(("world", "lengths"), [(3, (7, 8)), (4, (3, 9, 10))])
 def test_layers_simulated(world: int, lengths: tuple[int, ...]) -> None:
     with simulated_mesh(world) as mesh:
         case_layers(mesh, lengths, 3)
@@ -418,7 +458,7 @@ def on_gloo(lengths: tuple[int, ...], model_lengths: tuple[int, ...]) -> None:
 
 @pytest.mark.gloo
 @pytest.mark.parametrize(("world", "lengths", "model_lengths"),
-                         [(2, (5,), (9,)), (3, (7,), (13,)), (4, (6,), (10, 17))])
+                         [(2, (5, 6), (9,)), (3, (7,), (13,)), (4, (6,), (10, 17))])
 def test_gloo(gloo: Callable[[int], Any], world: int, lengths: tuple[int, ...],
               model_lengths: tuple[int, ...]) -> None:
     gloo(world).run(on_gloo, lengths, model_lengths, timeout=300)

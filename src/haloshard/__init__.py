@@ -6,6 +6,7 @@ redistribute and op dispatch would otherwise mishandle that placement silently.
 """
 
 from haloshard._attention import attention, gather_along
+from haloshard._comm import set_timeout
 from haloshard._conv import halo_conv
 from haloshard._errors import HaloError
 from haloshard._exchange import TRANSPORTS, halo_exchange
@@ -61,6 +62,7 @@ __all__ = [
     # checking a plan against one device
     "verify_plan",
     "PlanReport",
-    # errors
+    # errors and bounded failures
     "HaloError",
+    "set_timeout",
 ]

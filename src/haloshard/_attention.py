@@ -9,6 +9,8 @@ of dK and dV, so gradients are exact too.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -17,6 +19,13 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run
 from haloshard import _comm
 from haloshard._comm import GroupLike
 from haloshard._errors import HaloError
+from haloshard._exchange import (
+    _as_int,
+    _check_own_length,
+    _dtype_code,
+    _length_problem,
+    _tensor_problem,
+)
 from haloshard._layout import shard_sizes
 
 
@@ -27,6 +36,116 @@ def _valid_rows(lengths: tuple[int, ...], chunk: int, device: torch.device) -> t
                         dtype=torch.int64, device=device)
 
 
+_MAX_DIMS = 8
+_TENSOR_FIELDS = ("ndim", "dtype", "requires_grad", "length",
+                  *(f"size of dim {i}" for i in range(_MAX_DIMS)))
+
+
+def _problem(tensors: tuple[torch.Tensor, ...], dim: int, global_length: object,
+             frame: object) -> str | None:
+    """What is wrong with this rank's own arguments, or None (no communication)."""
+    for t in tensors:
+        problem = _tensor_problem(t)
+        if problem is not None:
+            return problem
+        if not -t.ndim <= dim < t.ndim or t.ndim > _MAX_DIMS:
+            return f"dim {dim} is out of range for a {t.ndim}-D tensor (at most {_MAX_DIMS})"
+    if not isinstance(frame, int) or isinstance(frame, bool) or frame < 1:
+        return f"frame must be a positive int, got {frame!r}"
+    return _length_problem(global_length) or (
+        "global_length= is required" if global_length is None else None)
+
+
+@maybe_run_for_local_tensor
+def _meta_row(tensors: tuple[torch.Tensor, ...], dim: int, global_length: int, frame: int,
+              error: bool) -> torch.Tensor:
+    """One fixed-size row per rank: the same length on every rank whatever went wrong."""
+    row = [int(error), _as_int(global_length) if not error else -1,
+           _as_int(frame) if not error else -1]
+    for t in tensors:
+        if error:
+            row += [-1] * len(_TENSOR_FIELDS)
+            continue
+        d = dim % t.ndim
+        sizes = [-1 if i == d else n for i, n in enumerate(t.shape)]
+        row += [t.ndim, _dtype_code(t.dtype), int(t.requires_grad), t.shape[d], *sizes,
+                *[-1] * (_MAX_DIMS - len(sizes))]
+    return torch.tensor(row, dtype=torch.int64)
+
+
+@maybe_run_for_local_tensor
+def _check_rows(rows: list[list[int]], own: str | None, names: tuple[str, ...]) -> None:
+    """The same `HaloError` on every rank when any rank's row is bad or the rows differ."""
+    if own is not None:
+        raise HaloError(own)
+    bad = [r for r, row in enumerate(rows) if row[0]]
+    if bad:
+        raise HaloError(f"rank(s) {bad} of the group rejected their gather arguments (see "
+                        "the error on those ranks); every rank must pass valid arguments")
+    n = len(_TENSOR_FIELDS)
+    fields = ["global_length", "frame", *(f"{name} {f}" for name in names
+                                         for f in _TENSOR_FIELDS)]
+    length_at = {3 + k * n + 3 for k in range(len(names))}
+    for i, field in enumerate(fields, start=1):
+        values = [row[i] for row in rows]
+        if i not in length_at and len(set(values)) > 1:
+            raise HaloError(f"ranks disagree on {field}: {values} (rank by rank); every rank "
+                            "must pass the same arguments and tensors that differ only in the "
+                            "length of the gathered dim")
+    global_length, frame = rows[0][1], rows[0][2]
+    want = [n_r * frame for n_r in shard_sizes(global_length, len(rows))]
+    for k, name in enumerate(names):
+        got = [row[3 + k * n + 3] for row in rows]
+        if got != want:
+            raise HaloError(f"{name}: chunk lengths {got} (rank by rank) do not match "
+                            f"global_length={global_length} (frames of {frame}), which "
+                            f"splits as {want}")
+
+
+def _agree(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim: int,
+           grp: _comm.Group, global_length: int, frame: int) -> None:
+    """Check every rank's tensors against `global_length` on every rank at once.
+
+    Eager: one all-gather of a fixed-size row (it cannot mismatch, so a mistake on one rank
+    raises `HaloError` everywhere, not a backend abort). Compiled: each rank checks its own
+    chunk length against the stated global length, with no communication.
+    """
+    problem = _problem(tensors, dim, global_length, frame)
+    if torch.compiler.is_compiling():
+        if problem is not None:
+            raise HaloError(problem)
+        lengths = tuple(n * frame for n in shard_sizes(global_length, grp.size))
+        for t in tensors:
+            _check_own_length(t.shape[dim], lengths, grp.rank, dim)
+        return
+    row = _meta_row(tensors, dim, global_length, frame, problem is not None)
+    _check_rows(_comm.gather_ints(row, grp, "gather metadata exchange"), problem, names)
+
+
+def _gather(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
+            global_length: int, frame: int) -> tuple[torch.Tensor, ...]:
+    """All-gather several agreed tensors along `dim` in one collective."""
+    lengths = tuple(n * frame for n in shard_sizes(global_length, grp.size))
+    chunk = max(lengths)
+    ndim = tensors[0].ndim
+    names = [f"d{i}" for i in range(ndim)]
+    moved = " ".join([names[dim], *names[:dim], *names[dim + 1 :]])
+    fronts = [rearrange(t, f"{' '.join(names)} -> {moved}") for t in tensors]
+    flat = (torch.cat([f.contiguous().flatten(1) for f in fronts], 1) if len(fronts) > 1
+            else fronts[0])
+    # all-gather needs equal blocks: pad each chunk to the longest, then keep the real rows.
+    padded = torch.cat([flat, flat.new_zeros((chunk - flat.shape[0], *flat.shape[1:]))])
+    every = _comm.all_gather_autograd(padded.contiguous(), grp, "all-gather along the dim")
+    rows = every.index_select(0, _valid_rows(lengths, chunk, tensors[0].device))
+    if len(fronts) > 1:
+        widths = [math.prod(f.shape[1:]) for f in fronts]
+        parts = [p.unflatten(1, f.shape[1:]) for p, f in zip(rows.split(widths, 1), fronts,
+                                                            strict=True)]
+    else:
+        parts = [rows]
+    return tuple(rearrange(p, f"{moved} -> {' '.join(names)}") for p in parts)
+
+
 def gather_along(x: torch.Tensor, dim: int, group: GroupLike, *, global_length: int,
                  frame: int = 1) -> torch.Tensor:
     """All-gather `Shard(dim)` chunks (uneven and empty included) into the global tensor.
@@ -35,30 +154,43 @@ def gather_along(x: torch.Tensor, dim: int, group: GroupLike, *, global_length: 
     ranks of the gradient of its slices (a reduce-scatter).
 
     Args:
-        global_length: the global number of frames along `dim`.
+        global_length: the global number of frames along `dim`; checked against every
+            rank's chunk (eager: on every rank at once; compiled: each rank its own chunk).
         frame: slices per frame: a rank holds `frame` times its `Shard` split of the frames
             (tokens of T*H*W come in frames of H*W).
+
+    Raises:
+        HaloError: on every rank, when any rank's chunk or arguments do not fit.
 
     Example::
         >>> gather_along(x, 2, mesh, global_length=13).shape  # x: (1, 8, T_r, 4, 4)
         torch.Size([1, 8, 13, 4, 4])
     """
     grp = _comm.resolve_group(group)
-    lengths = tuple(n * frame for n in shard_sizes(global_length, grp.size))
-    chunk = max(lengths)
-    names = [f"d{i}" for i in range(x.ndim)]
-    moved = " ".join([names[dim], *names[:dim], *names[dim + 1 :]])
-    front = rearrange(x, f"{' '.join(names)} -> {moved}")
-    # all-gather needs equal blocks: pad each chunk to the longest, then keep the real rows.
-    padded = torch.cat([front, front.new_zeros((chunk - front.shape[0], *front.shape[1:]))])
-    every = _comm.all_gather_autograd(padded.contiguous(), grp)
-    rows = every.index_select(0, _valid_rows(lengths, chunk, x.device))
-    return rearrange(rows, f"{moved} -> {' '.join(names)}")
+    _agree((x,), ("x",), dim, grp, global_length, frame)
+    return _gather((x,), dim % x.ndim, grp, global_length, frame)[0]
+
+
+def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *,
+                global_length: int, frame: int = 1) -> tuple[torch.Tensor, ...]:
+    """`gather_along` for several tensors of one split (e.g. K and V): one metadata row and
+    one all-gather for all of them.
+
+    Example::
+        >>> k_all, v_all = gather_many((k, v), 2, mesh, global_length=13)
+    """
+    grp = _comm.resolve_group(group)
+    names = tuple(f"tensor {i}" for i in range(len(tensors)))
+    _agree(tuple(tensors), names, dim, grp, global_length, frame)
+    return _gather(tuple(tensors), dim % tensors[0].ndim, grp, global_length, frame)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike, *,
               global_length: int, dim: int = 2, scale: float | None = None) -> torch.Tensor:
     """`F.scaled_dot_product_attention` over tokens sharded along `dim` of q, k and v.
+
+    K and V travel in one all-gather, after one all-gather of a small fixed-size row that
+    checks every rank's arguments and chunk lengths against `global_length`.
 
     Args:
         q, k, v: `(B, heads, L_r, E)` chunks of the token dim (`dim=2`), `Shard(dim)` split.
@@ -69,15 +201,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLik
     Returns:
         This rank's chunk of the global attention output, `(B, heads, L_r, E)`.
 
+    Raises:
+        HaloError: on every rank, when any rank's arguments or chunks do not fit.
+
     Example::
         >>> attention(q, k, v, mesh, global_length=96).shape  # q: (1, 1, 24, 16) on 4 ranks
         torch.Size([1, 1, 24, 16])
     """
-    if dim != q.ndim - 2:
+    if isinstance(q, torch.Tensor) and dim != q.ndim - 2:
         raise HaloError(f"attention expects the token dim to be dim {q.ndim - 2} of "
                         f"{tuple(q.shape)} (B, heads, L, E), got dim={dim}")
-    k_all = gather_along(k, dim, group, global_length=global_length)
-    v_all = gather_along(v, dim, group, global_length=global_length)
+    grp = _comm.resolve_group(group)
+    _agree((q, k, v), ("q", "k", "v"), dim, grp, global_length, 1)
+    k_all, v_all = _gather((k, v), dim, grp, global_length, 1)
     if enabled_local_tensor_mode() is not None:
         # LocalTensorMode picks the SDPA kernel once for all simulated ranks; the CPU flash
         # kernel divides by zero on a rank without queries, so spell the math out there.

@@ -14,8 +14,11 @@ LocalTensorMode understand.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,61 @@ from torch.distributed.device_mesh import DeviceMesh
 from haloshard._errors import HaloError
 
 GroupLike = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str]
+_T = TypeVar("_T")
+# What the collective in flight is for (e.g. a module's fqn), named in timeout errors. A
+# plain module-level value: set by whoever runs a layer (the hooks), read only on errors.
+current_label: str | None = None
+
+
+@contextlib.contextmanager
+def labelled(label: str | None) -> Iterator[None]:
+    """Name the collectives issued inside (e.g. by a module's fqn) in their errors."""
+    global current_label
+    previous, current_label = current_label, label
+    try:
+        yield
+    finally:
+        current_label = previous
+
+
+def waited(collective: str, fn: Callable[[], _T]) -> _T:
+    """Run `fn` (which waits on a collective), turning a backend failure into `HaloError`.
+
+    A timeout or a broken group surfaces as a `RuntimeError` (`DistBackendError`) on the
+    ranks that were waiting; they raise `HaloError` naming the collective and the label.
+    """
+    try:
+        return fn()
+    except RuntimeError as exc:
+        where = f" for {current_label}" if current_label else ""
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise HaloError(
+            f"the {collective}{where} did not complete: another rank of the group did not "
+            "reach it within the process group's timeout (did it raise or skip a layer?), "
+            f"or the group is broken. Backend said: {first}"
+        ) from exc
+
+
+def set_timeout(group: GroupLike, timeout: float | timedelta) -> None:
+    """Bound every later collective on `group` (a mesh: each of its axes' groups).
+
+    `init_device_mesh` gives the groups of a multi-axis mesh the 30-minute default timeout,
+    whatever `init_process_group(timeout=...)` said; call this once after building the mesh
+    so a rank that fails before a halo layer makes the others raise `HaloError` in time.
+
+    Example::
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        >>> haloshard.set_timeout(mesh, 60)  # seconds
+    """
+    delta = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    if delta <= timedelta(0):
+        raise HaloError(f"timeout must be positive, got {timeout!r}")
+    if isinstance(group, DeviceMesh):
+        groups = [group.get_group(axis) for axis in range(group.ndim)]
+    else:
+        groups = [resolve_group(group).pg]
+    for pg in groups:
+        pg.set_timeout(delta)
 
 
 @dataclass(frozen=True)
@@ -117,28 +175,26 @@ class Pending:
 
     tensor: torch.Tensor
     works: tuple[Any, ...] = ()
+    what: str = "halo exchange"
 
     def wait(self) -> torch.Tensor:
         for work in self.works:
-            work.wait()
+            waited(self.what, work.wait)
         return self.tensor
 
 
-def gather_ints(values: torch.Tensor, group: Group) -> list[list[int]]:
+def gather_ints(values: torch.Tensor, group: Group, what: str = "halo metadata exchange"
+                ) -> list[list[int]]:
     """All-gather one small int64 vector per rank; every rank gets every rank's row."""
-    try:
+
+    def run() -> list[int]:
         if _eager(values):
             out = values.new_empty(group.size * values.numel())
             dist.all_gather_single(out, values, group=group.pg)
-            flat = out.tolist()
-        else:
-            flat = funcol.all_gather_single(values, 0, group.funcol_group).tolist()
-    except RuntimeError as exc:  # gloo/nccl timeouts and broken groups (DistBackendError)
-        raise HaloError(
-            "the halo metadata exchange did not complete: another rank of the group did not "
-            "reach this halo layer within the process group's timeout (did it raise?), or "
-            f"the group is broken. Backend said: {str(exc).splitlines()[0]}"
-        ) from exc
+            return out.tolist()
+        return funcol.all_gather_single(values, 0, group.funcol_group).tolist()
+
+    flat = waited(what, run)
     n = len(flat) // group.size
     return [flat[i * n : (i + 1) * n] for i in range(group.size)]
 
@@ -165,14 +221,27 @@ def all_to_all(
     return start_all_to_all(buf, recv_splits, send_splits, group).wait()
 
 
-def all_gather(buf: torch.Tensor, group: Group) -> torch.Tensor:
+def all_gather(buf: torch.Tensor, group: Group, what: str = "all-gather") -> torch.Tensor:
     """All-gather along dim 0: every rank gets every rank's `buf`, in rank order."""
-    return funcol.all_gather_single(buf, 0, group.funcol_group)
+    if not _eager(buf):
+        return funcol.all_gather_single(buf, 0, group.funcol_group)
+    buf = buf.contiguous()
+    out = buf.new_empty((group.size * buf.shape[0], *buf.shape[1:]))
+    work = dist.all_gather_single(out, buf, group=group.pg, async_op=True)
+    waited(what, work.wait)
+    return out
 
 
-def reduce_scatter(buf: torch.Tensor, group: Group) -> torch.Tensor:
+def reduce_scatter(buf: torch.Tensor, group: Group, what: str = "reduce-scatter"
+                   ) -> torch.Tensor:
     """Sum over ranks, then rank r keeps block r of dim 0 (the adjoint of `all_gather`)."""
-    return funcol.reduce_scatter_single(buf, "sum", 0, group.funcol_group)
+    if not _eager(buf):
+        return funcol.reduce_scatter_single(buf, "sum", 0, group.funcol_group)
+    buf = buf.contiguous()
+    out = buf.new_empty((buf.shape[0] // group.size, *buf.shape[1:]))
+    work = dist.reduce_scatter_single(out, buf, group=group.pg, async_op=True)
+    waited(what, work.wait)
+    return out
 
 
 def start_p2p(
@@ -209,11 +278,34 @@ def start_p2p(
     return Pending(out, tuple(dist.batch_isend_irecv(ops)) if ops else ())
 
 
-def all_reduce_sum(buf: torch.Tensor, group: Group) -> torch.Tensor:
+def all_reduce_sum(buf: torch.Tensor, group: Group, what: str = "all-reduce") -> torch.Tensor:
     """Sum `buf` over the group (not differentiable: for gradients after backward)."""
-    return funcol.wait_tensor(funcol.all_reduce(buf, "sum", group.funcol_group))
+    if not _eager(buf):
+        return funcol.wait_tensor(funcol.all_reduce(buf, "sum", group.funcol_group))
+    out = buf.clone(memory_format=torch.contiguous_format)
+    work = dist.all_reduce(out, group=group.pg, async_op=True)
+    waited(what, work.wait)
+    return out
 
 
-def all_gather_autograd(buf: torch.Tensor, group: Group) -> torch.Tensor:
+class _AllGather(torch.autograd.Function):
+    """Forward: `(n, ...) -> (P * n, ...)`, every rank's block in rank order.
+    Backward: `(P * n, ...) -> (n, ...)`, the sum over ranks of this rank's block."""
+
+    @staticmethod
+    def forward(ctx: Any, buf: torch.Tensor, group: Group, what: str  # type: ignore[override]
+                ) -> torch.Tensor:
+        ctx.group, ctx.what = group, what
+        return all_gather(buf, group, what)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return reduce_scatter(grad, ctx.group, f"backward of the {ctx.what}"), None, None
+
+
+def all_gather_autograd(buf: torch.Tensor, group: Group, what: str = "all-gather"
+                        ) -> torch.Tensor:
     """Differentiable all-gather along dim 0; backward is a reduce-scatter of the gradient."""
+    if _eager(buf):
+        return _AllGather.apply(buf, group, what)
     return funcol.all_gather_single_autograd(buf, 0, group.funcol_group)

@@ -170,6 +170,37 @@ def _per_dim(value: int | tuple[int, ...], n: int, name: str) -> list[int]:
     return values
 
 
+def _conv_problem(
+    x: torch.Tensor, weight: torch.Tensor, dim: int, left: int, right: int,
+    stride: int | tuple[int, ...], padding: int | tuple[int, ...],
+    dilation: int | tuple[int, ...],
+) -> tuple[str | None, list[list[int]] | None]:
+    """What is wrong with this rank's conv arguments (None: nothing), and the per-dim
+    stride, padding and dilation. Reported through the exchange's agreement, so a mistake
+    on one rank raises on every rank."""
+    if not isinstance(weight, torch.Tensor) or not isinstance(x, torch.Tensor) or \
+            weight.ndim != x.ndim or weight.ndim < 3:
+        return (f"halo_conv needs x and weight of the same rank >= 3, got "
+                f"{getattr(x, 'shape', x)!r} and {getattr(weight, 'shape', weight)!r}"), None
+    n = weight.ndim - 2
+    try:
+        args = [_per_dim(v, n, k) for v, k in ((stride, "stride"), (padding, "padding"),
+                                               (dilation, "dilation"))]
+    except HaloError as exc:
+        return str(exc), None
+    along = dim - 2 if isinstance(dim, int) else -1
+    if not 0 <= along < n:
+        return f"halo_conv along dim {dim} needs a spatial dim (2 to {n + 1})", None
+    reach = args[2][along] * (weight.shape[dim] - 1)
+    if not all(isinstance(v, int) for v in (left, right)):
+        return None, args  # the exchange names a bad halo itself
+    if args[0][along] != 1 or args[1][along] != 0 or left + right != reach:
+        return (f"halo_conv along dim {dim} needs stride 1 and padding 0 there and "
+                f"left + right = dilation * (kernel - 1) = {reach}; got stride {stride}, "
+                f"padding {padding}, left={left}, right={right}"), None
+    return None, args
+
+
 def halo_conv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, dim: int,
     left: int, right: int, group: GroupLike, stride: int | tuple[int, ...] = 1,
@@ -200,20 +231,12 @@ def halo_conv(
         >>> y.shape  # x: (1, 8, T_r, 16, 16), w: (8, 8, 3, 3, 3)
         torch.Size([1, 8, T_r, 16, 16])
     """
-    n = weight.ndim - 2
-    args = [_per_dim(v, n, k) for v, k in ((stride, "stride"), (padding, "padding"),
-                                           (dilation, "dilation"))]
-    along = dim - 2
-    reach = args[2][along] * (weight.shape[dim] - 1)
-    if not 0 <= along < n or args[0][along] != 1 or args[1][along] != 0 or \
-            left + right != reach:
-        raise HaloError(
-            f"halo_conv along dim {dim} needs a spatial dim, stride 1 and padding 0 there and "
-            f"left + right = dilation * (kernel - 1) = {reach}; got stride {stride}, padding "
-            f"{padding}, left={left}, right={right}")
+    problem, args = _conv_problem(x, weight, dim, left, right, stride, padding, dilation)
     move, lengths = prepare_halo(x, left, right, dim, group, pad=pad, transport=transport,
-                                 global_length=global_length)
-    split = overlap and min(lengths) >= reach + 1 and move is not None
+                                 global_length=global_length, problem=problem)
+    assert args is not None  # a problem raised on every rank in prepare_halo
+    n = weight.ndim - 2
+    split = overlap and min(lengths) >= left + right + 1 and move is not None
     spare = min(lengths) == 0
     conv_args = _ConvArgs(dim, left, right, *args, groups, split, spare)
     if move is None:  # a kernel of one along dim: no halo (and, for an empty chunk, a spare)

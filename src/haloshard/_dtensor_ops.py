@@ -26,7 +26,13 @@ Supported on a `HaloShard` DTensor:
   leaky_relu, gelu, silu, tanh, sigmoid, neg, abs, exp, add, sub, mul, div, clone,
   zeros_like, dtype casts (`_to_copy`), in-place relu_/add_/mul_, and their backward ops.
   With `pad='zeros'` the edge halos must stay zero: ops that move zero (`sigmoid`, `exp`,
-  `x * inf`) raise, and so does adding or subtracting a scalar (even 0).
+  `x * inf`) raise, and so does adding or subtracting a scalar (even 0). torch caches
+  propagation by argument types, not scalar values, so ops whose effect on zero depends on a
+  scalar (`x * c`, `x / c`, `add(alpha=)`) are also judged on every call by a handler.
+- `to_local()`, differentiably (torch's own backward cannot rebuild a custom placement).
+
+Wherever a `HaloShard` DTensor enters (redistribute, `to_local`, convolution, scalar ops) its
+local length is checked against the placement: `DTensor.from_local` checks nothing.
 - detach and alias.
 
 Gradients of a `HaloShard` DTensor carry the same placement and hold d(loss)/d(local
@@ -55,10 +61,12 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from haloshard._errors import HaloError
 from haloshard._layout import HaloShard
 from haloshard._redistribute import (
+    check_local,
     contiguous_stride,
     halo_axis,
     redistribute,
     torch_redistribute,
+    unwrap,
 )
 
 aten = torch.ops.aten
@@ -80,6 +88,13 @@ POINTWISE: frozenset[torch._ops.OpOverload] = frozenset({
 # scalar from another: with pad='zeros' these are refused whatever the scalar.
 SHIFTS: frozenset[torch._ops.OpOverload] = frozenset({
     aten.add.Tensor, aten.add.Scalar, aten.add_.Tensor, aten.sub.Tensor, aten.sub.Scalar,
+})
+# Layout-keeping ops whose value at a zero halo depends on a scalar argument (x * inf,
+# x / 0, add(alpha=inf)). torch's propagation cache keys on the arguments' types, not on
+# scalar values, so these are judged on every call, by a handler, with the actual scalars.
+SCALAR_DEPENDENT: frozenset[torch._ops.OpOverload] = frozenset({
+    aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor, aten.div.Tensor, aten.div.Scalar,
+    aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.leaky_relu.default,
 })
 # Ops whose torch propagation already keeps a HaloShard right (no data change, same layout).
 KEEP: frozenset[torch._ops.OpOverload] = frozenset({aten.detach.default, aten.alias.default})
@@ -116,17 +131,70 @@ def unsupported(op: object, placements: Sequence[Placement], why: str = "") -> H
 
 def _probe(op: torch._ops.OpOverload, schema: OpSchema) -> torch.Tensor:
     """The op on zero scalars in place of the DTensor inputs: its value at a zero halo."""
+    return _probe_args(op, schema.args_schema, schema.kwargs_schema)
 
+
+def _probe_args(op: torch._ops.OpOverload, args: Sequence[object],
+                kwargs: dict[str, object]) -> torch.Tensor:
     def zero(arg: object) -> object:
         if isinstance(arg, DTensorSpec):
             assert arg.tensor_meta is not None
             return torch.zeros((), dtype=arg.tensor_meta.dtype)
+        if isinstance(arg, DTensor):
+            return torch.zeros((), dtype=arg.dtype)
         return arg
 
     with maybe_disable_local_tensor_mode():
-        args = [zero(a) for a in schema.args_schema]
-        kwargs = {k: zero(v) for k, v in schema.kwargs_schema.items()}
-        return op(*args, **kwargs)
+        return op(*[zero(a) for a in args], **{k: zero(v) for k, v in kwargs.items()})
+
+
+def _without_handler(op_call: torch._ops.OpOverload, args: tuple[object, ...],
+                     kwargs: dict[str, object]) -> object:
+    """DTensor's default dispatch of `op_call` (the handler stood in its way)."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handler = handlers.pop(op_call)
+    try:
+        return op_call(*args, **kwargs)
+    finally:
+        handlers[op_call] = handler
+
+
+def scalar_handler(previous: Handler | None) -> Handler:
+    """A scalar-dependent op (`SCALAR_DEPENDENT`): with a `pad='zeros'` HaloShard input, the
+    actual scalars must keep the zero halo zero; then DTensor's dispatch (and the guard)."""
+
+    def handler(op_call: torch._ops.OpOverload, args: tuple[object, ...],
+                kwargs: dict[str, object]) -> object:
+        for arg in (*args, *kwargs.values()):
+            if _is_halo(arg):
+                assert isinstance(arg, DTensor)
+                check_local(arg)
+                axis = halo_axis(arg.placements)
+                zeros = arg.placements[axis].pad == "zeros"  # type: ignore[index,attr-defined]
+                if zeros and bool(_probe_args(op_call, args, kwargs) != 0):
+                    out = _probe_args(op_call, args, kwargs).item()
+                    raise unsupported(op_call, arg.placements, f" (with these arguments it "
+                                      f"maps the zero halo to {out}, so pad='zeros' would no "
+                                      "longer hold)")
+                break
+        if previous is not None:
+            return previous(op_call, args, kwargs)
+        return _without_handler(op_call, args, kwargs)
+
+    handler.haloshard_previous = previous  # type: ignore[attr-defined]
+    return handler
+
+
+def _to_local_method(self: DTensor, *, grad_placements: Sequence[Placement] | None = None
+                     ) -> torch.Tensor:
+    """`DTensor.to_local`; for a `HaloShard` DTensor, differentiable (torch's backward
+    cannot rebuild a custom placement) and checked against its placement."""
+    if halo_axis(self.placements) is None:
+        return _installed["to_local"](self, grad_placements=grad_placements)
+    check_local(self)
+    if not torch.is_grad_enabled():
+        return _installed["to_local"](self, grad_placements=grad_placements)
+    return unwrap(self, grad_placements)
 
 
 def _pointwise(op: torch._ops.OpOverload, schema: OpSchema, spec: DTensorSpec) -> OutputSharding:
@@ -253,6 +321,7 @@ def conv_handler(previous: Handler) -> Handler:
             return refuse_halo(previous)(op_call, args, kwargs)  # a halo weight: refused
         x, weight, bias, *conv = args
         assert isinstance(x, DTensor) and not kwargs
+        check_local(x)
         p = _check_conv(x, weight, bias, tuple(conv))
         assert isinstance(weight, DTensor)
         span = p.left + p.right
@@ -284,6 +353,7 @@ def conv_backward_handler(previous: Handler) -> Handler:
             return refuse_halo(previous)(op_call, args, kwargs)
         grad, x, weight, bias_sizes, *conv = args
         assert isinstance(x, DTensor) and isinstance(weight, DTensor) and not kwargs
+        check_local(x)
         p = _check_conv(x, weight, None, tuple(conv))
         placements, _ = _conv_out(x, weight, tuple(conv), p)
         if not isinstance(grad, DTensor):
@@ -352,14 +422,18 @@ def install() -> None:
     dispatcher = DTensor._op_dispatcher
     handlers = dispatcher._custom_op_handlers
     _installed.update(handlers=dict(handlers), redistribute=DTensor.redistribute,
-                      propagate=dispatcher._propagate_op_sharding_dispatch_slow_path)
+                      propagate=dispatcher._propagate_op_sharding_dispatch_slow_path,
+                      to_local=DTensor.to_local)
     makers = {aten.convolution.default: conv_handler,
               aten.convolution_backward.default: conv_backward_handler,
               aten.is_same_size.default: lambda previous: previous}  # shapes only: right
     for op, previous in list(handlers.items()):
         handlers[op] = makers.get(op, refuse_halo)(previous)
+    for op in SCALAR_DEPENDENT:
+        handlers[op] = scalar_handler(handlers.get(op))
     dispatcher._propagate_op_sharding_dispatch_slow_path = _guard(_installed["propagate"])
     DTensor.redistribute = _redistribute_method  # type: ignore[method-assign]
+    DTensor.to_local = _to_local_method  # type: ignore[method-assign]
     # Results torch propagated for HaloShard inputs before now must be judged again.
     _clear_sharding_prop_cache()
 
@@ -369,7 +443,10 @@ def uninstall() -> None:
     if not _installed:
         return
     dispatcher = DTensor._op_dispatcher
+    for op in SCALAR_DEPENDENT - set(_installed["handlers"]):
+        dispatcher._custom_op_handlers.pop(op, None)
     dispatcher._custom_op_handlers.update(_installed["handlers"])
+    DTensor.to_local = _installed["to_local"]  # type: ignore[method-assign]
     dispatcher._propagate_op_sharding_dispatch_slow_path = _installed["propagate"]
     DTensor.redistribute = _installed["redistribute"]  # type: ignore[method-assign]
     _installed.clear()

@@ -7,3 +7,19 @@ class HaloError(ValueError):
     The message names the value received and what was expected. Raised on every rank
     of the group when the mistake was seen on any one of them.
     """
+
+
+def named(error: HaloError, module: str) -> HaloError:
+    """A copy of `error` with the module it was raised for in front of its message, to
+    raise `from error`. An error already named by an inner module (or whose message names
+    the module already) keeps its message.
+
+    Example::
+        >>> str(named(HaloError("got 3 slices, expected 4"), "encoder.conv_in (Conv3d)"))
+        'encoder.conv_in (Conv3d): got 3 slices, expected 4'
+    """
+    inner = getattr(error, "module", None)
+    said = inner is not None or module in str(error)  # e.g. a timeout naming its layer
+    renamed = HaloError(str(error) if said else f"{module}: {error}")
+    renamed.module = inner if inner is not None else module  # type: ignore[attr-defined]
+    return renamed

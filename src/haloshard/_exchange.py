@@ -11,6 +11,7 @@ from, on its owner.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any
@@ -35,6 +36,26 @@ _MAX_DIMS = 8
 _FIELDS = ("error", "ndim", "dim", "left", "right", "pad", "transport", "dtype",
            "requires_grad", "length", *(f"size of dim {i}" for i in range(_MAX_DIMS)))
 _ERR, _LEN = _FIELDS.index("error"), _FIELDS.index("length")
+# Halo widths and lengths must fit the int64 metadata row (and any index tensor).
+_MAX_INT = 2**62
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """A code per dtype, distinct for every dtype (listed ones first, others by name)."""
+    if dtype in _DTYPES:
+        return _DTYPES.index(dtype)
+    return len(_DTYPES) + zlib.crc32(str(dtype).encode())
+
+
+def _tensor_problem(x: object) -> str | None:
+    """What makes `x` unusable for an exchange on this rank, or None."""
+    if not isinstance(x, torch.Tensor):
+        return f"expected a tensor, got {type(x).__name__}"
+    if x.layout != torch.strided:
+        return f"expected a dense (strided) tensor, got layout {x.layout}"
+    if x.device.type == "meta" and not torch.compiler.is_compiling():
+        return "a meta tensor holds no data to exchange; pass a tensor with storage"
+    return None
 
 
 def _local_problem(
@@ -44,6 +65,8 @@ def _local_problem(
     for name, value in (("left", left), ("right", right)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             return f"{name} halo must be a non-negative int, got {value!r}"
+        if value >= _MAX_INT:
+            return f"{name} halo {value} is too large (at most {_MAX_INT - 1})"
     if not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:
         return f"dim {dim!r} is out of range for a {x.ndim}-D tensor"
     if x.ndim > _MAX_DIMS:
@@ -60,7 +83,8 @@ def _code(value: object, choices: tuple[object, ...]) -> int:
 
 
 def _as_int(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else -1
+    ok = isinstance(value, int) and not isinstance(value, bool) and -_MAX_INT < value < _MAX_INT
+    return value if ok else -1  # type: ignore[return-value]
 
 
 @maybe_run_for_local_tensor
@@ -71,9 +95,11 @@ def _meta_row(
     sizes = [-1 if i == d else s for i, s in enumerate(x.shape[:_MAX_DIMS])]
     pads = PAD_MODES + LENIENT_PADS
     row = [int(error), x.ndim, d, _as_int(left), _as_int(right), _code(pad, pads),
-           _code(transport, TRANSPORTS), _code(x.dtype, _DTYPES), int(x.requires_grad),
+           _code(transport, TRANSPORTS), _dtype_code(x.dtype), int(x.requires_grad),
            x.shape[d] if not error else -1, *sizes, *[-1] * (_MAX_DIMS - len(sizes))]
-    return torch.tensor(row, dtype=torch.int64, device=x.device)
+    # A meta tensor's row must still travel (it is flagged as an error).
+    device = torch.device("cpu") if x.device.type == "meta" else x.device
+    return torch.tensor(row, dtype=torch.int64, device=device)
 
 
 @maybe_run_for_local_tensor
@@ -101,23 +127,53 @@ def _check_rows(rows: list[list[int]], own_problem: str | None) -> None:
 
 def _agree(
     x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str,
-    group: Group, global_length: int | None,
+    group: Group, global_length: int | None, problem: str | None = None,
 ) -> tuple[int, tuple[int, ...]]:
-    """Validate on every rank at once; return the normalised dim and every chunk length."""
-    problem = _local_problem(x, left, right, dim, pad, transport)
+    """Validate on every rank at once; return the normalised dim and every chunk length.
+
+    `problem`: a mistake the caller found in its own arguments on this rank; it is
+    reported on every rank like one of the exchange's own.
+    """
+    problem = (problem or _tensor_problem(x)
+               or _local_problem(x, left, right, dim, pad, transport)
+               or _length_problem(global_length))
     if torch.compiler.is_compiling():
-        # No data-dependent metadata exchange in a graph: the caller states the length.
+        # No data-dependent metadata exchange in a graph: the caller states the length,
+        # and each rank checks its own chunk against it (no communication).
         if problem is not None or global_length is None:
             raise HaloError(problem or "under torch.compile pass global_length=")
         lengths = shard_sizes(global_length, group.size)
+        _check_own_length(x.shape[dim], lengths, group.rank, dim)
     else:
-        row = _meta_row(x, left, right, dim, pad, transport, problem is not None)
+        if isinstance(x, torch.Tensor):
+            row = _meta_row(x, left, right, dim, pad, transport, problem is not None)
+        else:  # nothing to describe: a row that says only "error"
+            row = torch.tensor([1] + [-1] * (len(_FIELDS) - 1), dtype=torch.int64)
         rows = _comm.gather_ints(row, group)
         _check_rows(rows, problem)
         lengths = tuple(row[_LEN] for row in rows)
         _check_lengths(lengths, global_length, dim)
     check_pad_fits(sum(lengths), left, right, pad)
     return dim % x.ndim, lengths
+
+
+def _length_problem(global_length: object) -> str | None:
+    if global_length is None:
+        return None
+    if not isinstance(global_length, int) or isinstance(global_length, bool) or not (
+            0 <= global_length < _MAX_INT):
+        return f"global_length must be a non-negative int, got {global_length!r}"
+    return None
+
+
+@maybe_run_for_local_tensor
+def _check_own_length(length: int, lengths: tuple[int, ...], rank: int, dim: int) -> None:
+    """This rank's chunk against its `Shard` split of the stated global length."""
+    if length != lengths[rank]:
+        raise HaloError(
+            f"global_length={sum(lengths)} splits as {list(lengths)} over {len(lengths)} "
+            f"ranks, so rank {rank} must hold {lengths[rank]} slices along dim {dim}, but its "
+            f"chunk has {length}")
 
 
 def _check_lengths(lengths: tuple[int, ...], global_length: int | None, dim: int) -> None:
@@ -368,14 +424,16 @@ class _HaloExchange(torch.autograd.Function):
 def prepare_halo(
     x: torch.Tensor, left: int, right: int, dim: int, group: GroupLike, *, pad: str = "zeros",
     transport: str | None = None, global_length: int | None = None,
+    problem: str | None = None,
 ) -> tuple[HaloMove | None, tuple[int, ...]]:
     """Validate on every rank and plan one exchange; None when there is nothing to move.
 
-    Returns the prepared move and every rank's chunk length along `dim`.
+    `problem`: the caller's own finding on this rank (raised on every rank). Returns the
+    prepared move and every rank's chunk length along `dim`.
     """
     grp = _comm.resolve_group(group)
     transport = "all_to_all" if transport is None else transport
-    dim, lengths = _agree(x, left, right, dim, pad, transport, grp, global_length)
+    dim, lengths = _agree(x, left, right, dim, pad, transport, grp, global_length, problem)
     if left == right == 0:
         return None, lengths
     to_front, from_front = _front(x.ndim, dim)

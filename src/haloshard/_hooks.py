@@ -20,6 +20,8 @@ then. Inside that wrapper:
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,12 +37,13 @@ from torch.distributed._local_tensor import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm
 from haloshard._conv import halo_conv
-from haloshard._errors import HaloError
+from haloshard._errors import HaloError, named
 from haloshard._exchange import halo_exchange
 from haloshard._layout import HaloShard, check_pad_fits, shard_size_and_offset
 from haloshard._specs import (
@@ -53,6 +56,7 @@ from haloshard._specs import (
     WindowPlan,
     check_spec,
     derive_stencil,
+    known_forward,
     local_attrs,
     plan_windows,
     stencil_of_spec,
@@ -83,6 +87,8 @@ class _Flag:
 
 
 _INSIDE = _Flag()
+_CATS = (torch.cat, torch.concat, torch.concatenate)
+_CONV_FNS = (F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d)
 _F_PAD_MODE = {"constant": "zeros", "replicate": "replicate", "reflect": "reflect",
                "circular": "circular"}
 
@@ -118,7 +124,8 @@ def resolve(module: nn.Module, spec: HaloShard | Stencil | None = None, *, dim: 
     if spec is None and isinstance(getattr(module, _ANNOTATION, None), Annotation):
         return getattr(module, _ANNOTATION)
     if isinstance(spec, STENCILS):
-        if isinstance(module, DERIVABLE) and derive_stencil(module, dim) != spec:
+        if (isinstance(module, DERIVABLE) and known_forward(module)
+                and derive_stencil(module, dim) != spec):
             raise HaloError(f"spec {spec} does not match {type(module).__name__}, which needs "
                             f"{derive_stencil(module, dim)}; pass spec=None to derive it")
         local_attrs(module, dim)
@@ -164,6 +171,36 @@ def annotate(module: nn.Module, spec: HaloShard | Stencil | None = None, *, dim:
                         "parallelize_module, or remove() its handle first")
     setattr(module, _ANNOTATION, resolve(module, spec, dim=dim))
     return module
+
+
+def module_name(module: nn.Module) -> str:
+    """How errors name `module`: `"fqn (Class)"` when it is being planned by
+    `parallelize_module` (the fqn within the model passed to it), else `"Class"`."""
+    cls = type(module).__name__
+    frame, root = inspect.currentframe(), None
+    while frame is not None:  # the outermost parallelize_module call holds the model
+        if frame.f_code is parallelize_module.__code__:
+            root = frame.f_locals.get("module")
+        frame = frame.f_back
+    if isinstance(root, nn.Module):
+        for fqn, inner in root.named_modules():
+            if inner is module:
+                return f"{fqn or '<root>'} ({cls})"
+    return cls
+
+
+def names_errors(apply: Callable[[Any, nn.Module, DeviceMesh], nn.Module]
+                 ) -> Callable[[Any, nn.Module, DeviceMesh], nn.Module]:
+    """A style's `_apply` whose HaloErrors name the module (see `module_name`)."""
+
+    @functools.wraps(apply)
+    def checked(style: Any, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        try:
+            return apply(style, module, device_mesh)
+        except HaloError as error:
+            raise named(error, module_name(module)) from error
+
+    return checked
 
 
 def annotation_of(module: nn.Module) -> Annotation | None:
@@ -228,9 +265,16 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
     new = local_attrs(module, annotation.dim)
     saved = {name: getattr(module, name) for name in new}
     previous = module.__dict__.get("forward")
+    # A forward of its own may pad `dim` in ways no attribute shows: it is never replaced by
+    # halo_conv, and a derived halo is checked against what it does at run time.
+    known = known_forward(module)
     for name, value in new.items():
         setattr(module, name, value)
-    module.forward = _HaloForward(module, annotation, mesh, saved, previous, overlap)
+    module.forward = _HaloForward(module, annotation, mesh, saved, previous,
+                                  overlap=overlap and known,
+                                  watch=(annotation.spec is None and not known
+                                         and isinstance(module, DERIVABLE)),
+                                  name=module_name(module))
     handle = HaloHandle(module, saved, previous)
     setattr(module, _HANDLE, handle)
     return handle
@@ -241,16 +285,19 @@ class _HaloForward:
     the model get a forward bound to the copy, not to the original."""
 
     def __init__(self, module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None,
-                 saved: dict[str, Any], previous: Callable[..., Any] | None,
-                 overlap: bool = True) -> None:
+                 saved: dict[str, Any], previous: Callable[..., Any] | None, *,
+                 overlap: bool = True, watch: bool = False, name: str = "") -> None:
         self.module, self.annotation, self.mesh = module, annotation, mesh
         self.saved, self.previous, self.overlap = saved, previous, overlap
+        self.watch, self.name = watch, name or type(module).__name__
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _HaloForward:
         # The mesh is shared, never copied: it names process groups.
-        return _HaloForward(copy.deepcopy(self.module, memo), self.annotation, self.mesh,
-                            copy.deepcopy(self.saved, memo), copy.deepcopy(self.previous, memo),
-                            self.overlap)
+        new = copy.copy(self)
+        new.module = copy.deepcopy(self.module, memo)
+        new.saved = copy.deepcopy(self.saved, memo)
+        new.previous = copy.deepcopy(self.previous, memo)
+        return new
 
     def original(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
@@ -262,6 +309,16 @@ class _HaloForward:
             # The enclosing halo module already supplied this module's halo.
             with _swapped(self.module, self.saved):
                 return self.original(x, *args, **kwargs)
+        # Collectives that time out waiting for another rank name this module.
+        label, _comm.current_label = _comm.current_label, self.name
+        try:
+            return self.sharded(x, *args, **kwargs)
+        except HaloError as error:
+            raise named(error, self.name) from error
+        finally:
+            _comm.current_label = label
+
+    def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         annotation = self.annotation
         if isinstance(self.module, _TRANSPOSED) and (args or "output_size" in kwargs):
             raise HaloError("ConvTranspose with output_size= is not supported under a halo "
@@ -275,7 +332,7 @@ class _HaloForward:
         window = _window(site, plan, annotation)
         token = _INSIDE.set(True)
         try:
-            with _NoPadAlong(annotation.dim, annotation.spec, window):
+            with _NoPadAlong(annotation.dim, annotation.spec, window, watch=self.watch):
                 y = self.original(window, *args, **kwargs)
         finally:
             _INSIDE.reset(token)
@@ -283,10 +340,11 @@ class _HaloForward:
 
 
 def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan) -> bool:
-    """A derived, stride-1, length-keeping conv whose other dims need no F.pad: its window
-    is exactly the halo exchange's output, so `halo_conv` can run it."""
-    if not isinstance(module, _CONVS) or annotation.spec is not None or isinstance(
-            module.padding, str):
+    """A derived, stride-1, length-keeping conv running torch's own forward, whose other dims
+    need no F.pad: its window is exactly the halo exchange's output, so `halo_conv` can run
+    it. A subclass with its own forward always runs that forward."""
+    if (not isinstance(module, _CONVS) or annotation.spec is not None
+            or isinstance(module.padding, str)):
         return False
     si, stencil = annotation.dim - 2, annotation.stencil
     zero_other = all(p == 0 for i, p in enumerate(module.padding) if i != si)
@@ -443,10 +501,17 @@ def _outside(rank: int, length: int, world: int, left: int, right: int, ndim: in
 
 
 def _output(y: torch.Tensor, site: _Site, plan: WindowPlan, annotation: Annotation) -> Any:
-    """Narrow to this rank's output chunk; rebuild a `Shard(dim)` DTensor for DTensor input."""
+    """Narrow to this rank's output chunk; rebuild a `Shard(dim)` DTensor for DTensor input.
+
+    A tuple `(output, extra, ...)` (a conv returning its cache) has its first element
+    narrowed; the others describe this rank's window, not the global tensor, and come back
+    as None so that no caller can use them as the single-device values.
+    """
+    if isinstance(y, tuple) and y and isinstance(y[0], torch.Tensor):
+        return (_output(y[0], site, plan, annotation), *(None for _ in y[1:]))
     if not isinstance(y, torch.Tensor) or isinstance(y, DTensor):
-        raise HaloError(f"a halo module must return one plain tensor from its local forward, "
-                        f"got {type(y).__name__}")
+        raise HaloError(f"a halo module must return a plain tensor (or a tuple whose first "
+                        f"element is one) from its local forward, got {type(y).__name__}")
     dim, rank = annotation.dim, site.mesh.get_local_rank(site.axis)
     if annotation.spec is not None:
         sizes = tuple(n + z for n, z in zip(plan.win_len, plan.win_zeros, strict=True))
@@ -494,23 +559,57 @@ class _NoPadAlong(TorchFunctionMode):
     A dropped `F.pad` must be the spec's own (same widths, same mode), or the result would
     differ from the single-device module at the global ends; a `torch.cat` must add exactly
     the spec's widths (its values cannot be checked: they are taken to be `spec.pad`'s).
+
+    With `watch` (a derived halo on a module with a forward of its own) nothing is dropped:
+    any padding of `dim` the forward adds beyond its padding attribute (an `F.pad`, a conv
+    call's own padding, a `torch.cat` onto its input) would shift the result, so it raises.
     """
 
-    def __init__(self, dim: int, spec: HaloShard | None, window: torch.Tensor) -> None:
+    def __init__(self, dim: int, spec: HaloShard | None, window: torch.Tensor, *,
+                 watch: bool = False) -> None:
         super().__init__()
-        self.dim, self.spec, self.window = dim, spec, window
+        self.dim, self.spec, self.window, self.watch = dim, spec, window, watch
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = dict(kwargs or {})
-        if self.spec is not None and func is F.pad:
+        if self.watch:
+            self._refuse_own_padding(func, args, kwargs)
+        elif self.spec is not None and func is F.pad:
             args, kwargs = self._strip(list(args), kwargs)
-        elif self.spec is not None and func in (torch.cat, torch.concat, torch.concatenate):
+        elif self.spec is not None and func in _CATS:
             pieces = args[0] if args else kwargs["tensors"]
             along = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
             if self._is_halo_cat(list(pieces), along):
                 return self.window
         return func(*args, **kwargs)
+
+    def _refuse_own_padding(self, func: Any, args: tuple[Any, ...],
+                            kwargs: dict[str, Any]) -> None:
+        x = args[0] if args else kwargs.get("input", kwargs.get("tensors"))
+        if func is F.pad:
+            widths = list(args[1] if len(args) > 1 else kwargs["pad"])
+            k = 2 * (x.ndim - 1 - self.dim)
+            own = tuple(widths[k : k + 2]) if k + 1 < len(widths) else (0, 0)
+        elif func in _CONV_FNS and x.ndim == self.window.ndim:
+            padding = args[4] if len(args) > 4 else kwargs.get("padding", 0)
+            along = padding if isinstance(padding, (int, str)) else padding[
+                min(self.dim - 2, len(padding) - 1)]
+            own = (along, along) if along not in (0, "valid") else (0, 0)
+        elif func in _CATS:
+            pieces = list(args[0] if args else kwargs["tensors"])
+            along = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
+            held = any(t is self.window for t in pieces)
+            own = (len(pieces) - 1, 0) if held and along % self.window.ndim == self.dim else (
+                0, 0)
+        else:
+            return
+        if any(own):
+            raise HaloError(
+                f"the module has a forward of its own that pads dim {self.dim} itself "
+                f"({getattr(func, '__name__', func)} adds {own}), which its padding attribute "
+                "does not show, so the derived halo would be wrong; expected an explicit "
+                "HaloShard spec (HaloParallel(HaloShard(dim, left, right, pad)))")
 
     def _is_halo_cat(self, pieces: list[torch.Tensor], along: int) -> bool:
         ids = [i for i, t in enumerate(pieces) if t is self.window]

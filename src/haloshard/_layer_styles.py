@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm
 from haloshard._attention import gather_along
-from haloshard._errors import HaloError
+from haloshard._errors import HaloError, named
 from haloshard._hooks import (
     _HANDLE,
     _INSIDE,
@@ -58,10 +58,20 @@ from haloshard._hooks import (
     _site,
     attach,
     handle_of,
+    module_name,
+    names_errors,
 )
 from haloshard._layout import HaloShard, PadMode
 from haloshard._norms import _GroupNormFn
-from haloshard._specs import DERIVABLE, ConvStencil, derive_stencil, spatial_index
+from haloshard._specs import (
+    DERIVABLE,
+    ConvStencil,
+    ResampleStencil,
+    Stencil,
+    conv_padding,
+    derive_stencil,
+    spatial_index,
+)
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -73,6 +83,7 @@ def _install(module: nn.Module, forward: _LocalForward) -> HaloHandle:
         raise HaloError(f"a haloshard style is already applied to {type(module).__name__}; "
                         "call its handle's remove() first")
     forward.previous = module.__dict__.get("forward")
+    forward.name = module_name(module)
     module.forward = forward
     handle = HaloHandle(module, {}, forward.previous)
     setattr(module, _HANDLE, handle)
@@ -90,6 +101,7 @@ class _LocalForward:
 
     previous: Callable[..., Any] | None = None
     style = "LocalParallel"
+    name = ""
 
     def __init__(self, module: nn.Module, dim: int, mesh: DeviceMesh | None) -> None:
         self.module, self.dim, self.mesh = module, dim, mesh
@@ -131,6 +143,16 @@ class _LocalForward:
             # Inside a halo module the input is a window, not a shard: local ops pass
             # through, anything with global statistics would be wrong (see subclasses).
             return self.inside(x, *args, **kwargs)
+        # Collectives that time out waiting for another rank name this module.
+        label, _comm.current_label = _comm.current_label, self.name or type(self.module).__name__
+        try:
+            return self.sharded(x, *args, **kwargs)
+        except HaloError as error:
+            raise named(error, self.name or type(self.module).__name__) from error
+        finally:
+            _comm.current_label = label
+
+    def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         site = self.site(x)
         y = self.local(site, *args, **kwargs)
         if not isinstance(y, torch.Tensor) or isinstance(y, DTensor):
@@ -159,10 +181,11 @@ def _check_same_length(got: int, expected: int, style: str, dim: int) -> None:
                         f"module returned {got} slices from a chunk of {expected}")
 
 
-def _check_dim(module: nn.Module, dim: int, style: str) -> None:
-    if dim < 2:
-        raise HaloError(f"{style} shards a dim after batch and channels, got dim={dim}; "
-                        "expected dim >= 2")
+def _check_dim(module: nn.Module, dim: int, style: str, *, least: int = 2) -> None:
+    if dim < least:
+        after = "batch" if least == 1 else "batch and channels"
+        raise HaloError(f"{style} shards a dim after {after}, got dim={dim}; expected "
+                        f"dim >= {least}")
 
 
 class LocalParallel(ParallelStyle):
@@ -195,7 +218,10 @@ class LocalParallel(ParallelStyle):
         return f"{type(self).__name__}(dim={self.dim})"
 
     def _validate(self, module: nn.Module) -> None:
-        _check_dim(module, self.dim, type(self).__name__)
+        # Per-slice modules may see T at dim 1: channels-last `(B, T, H, W, C)` norms and
+        # per-token `(B, T, C)` linears.
+        least = 1 if type(self) is LocalParallel else 2
+        _check_dim(module, self.dim, type(self).__name__, least=least)
         if isinstance(module, DERIVABLE) and not isinstance(self, GroupNormParallel):
             stencil = derive_stencil(module, self.dim)
             if stencil != ConvStencil(span=1):
@@ -203,6 +229,7 @@ class LocalParallel(ParallelStyle):
                                 f"{type(module).__name__} reads {stencil} along dim "
                                 f"{self.dim}; use HaloParallel for it")
 
+    @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module)
         _install(module, self.forward_type(module, self.dim, device_mesh))
@@ -400,13 +427,6 @@ class _StripPadForward(_HaloForward):
         with _NoPadAlong(self.annotation.dim, self.strip, args[0]):
             return super().original(*args, **kwargs)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _StripPadForward:
-        new = _StripPadForward(copy.deepcopy(self.module, memo), self.annotation, self.mesh,
-                               copy.deepcopy(self.saved, memo),
-                               copy.deepcopy(self.previous, memo))
-        new.strip = self.strip
-        return new
-
 
 def _one_conv(module: nn.Module, dim: int) -> nn.Conv1d:
     convs = [m for m in module.modules() if isinstance(m, _CONVS)]
@@ -415,9 +435,7 @@ def _one_conv(module: nn.Module, dim: int) -> nn.Conv1d:
                         f"{type(module).__name__} holds {len(convs)}")
     conv = convs[0]
     si = spatial_index(conv, dim)
-    rev = conv._reversed_padding_repeated_twice
-    n = len(conv.kernel_size)
-    if rev[2 * (n - 1 - si)] or rev[2 * (n - 1 - si) + 1]:
+    if any(conv_padding(conv)[si]):
         raise HaloError(f"CausalConvParallel expects the wrapped conv to have no padding "
                         f"along dim {dim} (the wrapper pads it with F.pad), got padding "
                         f"{conv.padding}")
@@ -456,6 +474,7 @@ class CausalConvParallel(ParallelStyle):
     def __repr__(self) -> str:
         return f"CausalConvParallel(pad={self.pad!r}, dim={self.dim})"
 
+    @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         conv = _one_conv(module, self.dim)
         si = spatial_index(conv, self.dim)
@@ -466,7 +485,7 @@ class CausalConvParallel(ParallelStyle):
         base = module.forward
         assert isinstance(base, _HaloForward) and plain.attached
         forward = _StripPadForward(module, base.annotation, base.mesh, base.saved,
-                                   base.previous)
+                                   base.previous, overlap=False, name=base.name)
         forward.strip = HaloShard(self.dim, left=span - 1, pad=self.pad)
         module.forward = forward  # the handle restores base.previous, not this object
         return module
@@ -482,6 +501,11 @@ class FirstFrameStencil:
     when the rank's outputs do not start at 0; `window` returns where the wanted outputs
     start in the module's output.
 
+    `even` says what the module does with an even T: "first" keeps the first frame for any
+    T (the formulas above); "all" resamples every frame (`T // 2` or `2 * T` outputs: the
+    CogVideoX samplers, which branch on the parity of their input, so every window gets the
+    parity of the global T); None raises for an even T, since either would be a guess.
+
     Example::
         >>> FirstFrameStencil(2, "down").window(2, 4), FirstFrameStencil(2, "up").window(3, 6)
         ((2, 7, 1), (1, 4, 1))
@@ -489,14 +513,33 @@ class FirstFrameStencil:
 
     factor: int
     direction: Literal["down", "up"]
-    pad: PadMode = "zeros"  # never used: windows stay inside [0, T)
+    pad: PadMode = "zeros"  # only read by windows widened to an odd length (dropped outputs)
     fill: float | None = None
     min_input: int = 1
+    even: Literal["first", "all"] | None = "first"
+    odd_windows: bool = False
 
     def __post_init__(self) -> None:
         if self.factor < 1 or self.direction not in ("down", "up"):
             raise HaloError(f"FirstFrameStencil needs factor >= 1 and direction 'down' or "
                             f"'up', got factor={self.factor}, direction={self.direction!r}")
+        if self.even not in ("first", "all", None) or (self.even == "all" and self.factor != 2):
+            raise HaloError(f"FirstFrameStencil needs even='first', 'all' (factor 2 only) or "
+                            f"None, got even={self.even!r} with factor={self.factor}")
+
+    def at_length(self, length: int) -> Stencil:
+        """The stencil for a global length: the parity of T may change the computation."""
+        if self.even == "first" or length % 2:
+            return replace(self, odd_windows=self.even == "all")
+        if self.even is None:
+            raise HaloError(
+                f"FirstFrameParallel({self.factor}, {self.direction!r}) got an even length "
+                f"{length} along the sharded dim and does not know what the module does "
+                "then; expected even='first' (it keeps the first frame for any length) or "
+                "even='all' (it resamples every frame, as CogVideoX's samplers do)")
+        plain: Stencil = (ConvStencil(span=2, stride=2) if self.direction == "down"
+                          else ResampleStencil(2))
+        return Parity(plain, 0)
 
     def out_length(self, length: int) -> int:
         if length <= 0:
@@ -511,7 +554,42 @@ class FirstFrameStencil:
             return (0, last, 0) if start == 0 else ((start - 1) * f, last, 1)
         i0 = 0 if start == 0 else (start - 1) // f
         i1 = 1 if stop == 1 else (stop - 2) // f + 2
-        return i0, i1, start - i0 * f
+        # A module that branches on parity sees an odd window: one more frame on the right,
+        # whose outputs are dropped.
+        return i0, i1 + (self.odd_windows and (i1 - i0) % 2 == 0), start - i0 * f
+
+
+@dataclass(frozen=True)
+class Parity:
+    """`inner`'s windows, widened on the right to the given parity (0: even, 1: odd) for a
+    module that branches on the parity of its input; the extra outputs are dropped.
+
+    Example::
+        >>> Parity(ResampleStencil(2), 0).window(2, 4)
+        (1, 3, 0)
+    """
+
+    inner: Stencil
+    parity: int
+
+    @property
+    def pad(self) -> PadMode:
+        return self.inner.pad
+
+    @property
+    def fill(self) -> float | None:
+        return self.inner.fill
+
+    @property
+    def min_input(self) -> int:
+        return self.inner.min_input + (self.inner.min_input % 2 != self.parity)
+
+    def out_length(self, length: int) -> int:
+        return self.inner.out_length(length)
+
+    def window(self, start: int, stop: int) -> tuple[int, int, int]:
+        i0, i1, offset = self.inner.window(start, stop)
+        return i0, i1 + ((i1 - i0) % 2 != self.parity), offset
 
 
 class FirstFrameParallel(ParallelStyle):
@@ -521,16 +599,22 @@ class FirstFrameParallel(ParallelStyle):
     `down` pools each group of `factor` frames after the first (any pooling or conv that
     maps `1 + n * factor` frames to `1 + n`), `up` repeats each frame after the first
     `factor` times. The module itself runs unedited on a window of its input; only the
-    outputs this rank owns are kept. Any length T >= 1 is exact (down drops the
-    `(T - 1) % factor` trailing frames, as the module does on one device).
+    outputs this rank owns are kept. Any odd length T is exact (down drops the
+    `(T - 1) % factor` trailing frames, as the module does on one device); for an even T the
+    module's own rule must be declared with `even`.
 
     Args:
         factor: the temporal factor.
         direction: "down" or "up".
+        even: what the module does with an even T: "first" keeps the first frame for any T
+            (HunyuanVideo's upsampler); "all" resamples every frame, pairs pooled from
+            frame 0 or every frame repeated (CogVideoX's `DownSample3D` / `Upsample3D`,
+            factor 2); None (the default) raises `HaloError` at run time on an even T.
         dim: the sharded dim.
 
     Raises:
-        HaloError: for factor < 1 or another direction.
+        HaloError: for factor < 1 or another direction; at run time for an even T with
+            even=None.
 
     Example::
         >>> parallelize_module(vae, mesh, {"encoder.down_t": FirstFrameParallel(2, "down")})
@@ -538,16 +622,18 @@ class FirstFrameParallel(ParallelStyle):
         5
     """
 
-    def __init__(self, factor: int, direction: Literal["down", "up"], *, dim: int = 2
-                 ) -> None:
+    def __init__(self, factor: int, direction: Literal["down", "up"], *,
+                 even: Literal["first", "all"] | None = None, dim: int = 2) -> None:
         super().__init__()
-        self.stencil = FirstFrameStencil(factor, direction)
+        self.stencil = FirstFrameStencil(factor, direction, even=even)
         self.dim = dim
 
     def __repr__(self) -> str:
         s = self.stencil
-        return f"FirstFrameParallel({s.factor}, {s.direction!r}, dim={self.dim})"
+        return (f"FirstFrameParallel({s.factor}, {s.direction!r}, even={s.even!r}, "
+                f"dim={self.dim})")
 
+    @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_dim(module, self.dim, "FirstFrameParallel")
         attach(module, Annotation(None, self.dim, self.stencil), device_mesh)

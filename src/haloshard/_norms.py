@@ -14,10 +14,99 @@ import math
 from typing import Any
 
 import torch
+from torch.distributed._local_tensor import maybe_run_for_local_tensor
 
 from haloshard import _comm
 from haloshard._comm import GroupLike
 from haloshard._errors import HaloError
+from haloshard._exchange import _dtype_code, _tensor_problem
+
+# The statistics all-gather has a fixed-size first block: a metadata row, then as many
+# statistics as fit. Every rank sends the same number of values whatever its arguments, so a
+# mismatch raises HaloError on every rank instead of aborting the backend; the rare model
+# with more than fits (3 * B * G > _BLOCK - len(_META)) sends the rest in a second gather,
+# once every rank has agreed on B and G.
+_META = ("error", "ndim", "batch", "channels", "num_groups", "dtype", "eps", "weight",
+         "bias", "requires_grad")
+_BLOCK = 512
+
+
+def _norm_problem(x: object, groups: object, weight: object, bias: object) -> str | None:
+    """What is wrong with this rank's own group_norm arguments, or None."""
+    problem = _tensor_problem(x)
+    if problem is not None:
+        return problem
+    assert isinstance(x, torch.Tensor)
+    if x.ndim < 2 or not x.is_floating_point():
+        return f"group_norm needs a floating-point (B, C, ...) tensor, got {x.dtype} " \
+               f"{tuple(x.shape)}"
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or \
+            x.shape[1] % groups:
+        return (f"group_norm needs C divisible by num_groups={groups!r}, got shape "
+                f"{tuple(x.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (
+                x.shape[1],)):
+            return f"group_norm {name} must be None or of shape ({x.shape[1]},), got " \
+                   f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}"
+    return None
+
+
+def _meta_row(x: Any, groups: Any, eps: Any, weight: Any, bias: Any, error: bool
+              ) -> list[float]:
+    if error:
+        return [1.0] + [-1.0] * (len(_META) - 1)
+    return [0.0, x.ndim, x.shape[0], x.shape[1], groups, _dtype_code(x.dtype), float(eps),
+            weight is not None, bias is not None, x.requires_grad]
+
+
+@maybe_run_for_local_tensor
+def _check_meta(rows: list[list[float]], own: str | None) -> None:
+    """The same `HaloError` on every rank when any rank's row is bad or the rows differ."""
+    if own is not None:
+        raise HaloError(own)
+    bad = [r for r, row in enumerate(rows) if row[0]]
+    if bad:
+        raise HaloError(f"rank(s) {bad} of the group rejected their group_norm arguments "
+                        "(see the error on those ranks); every rank must pass valid ones")
+    for i, field in enumerate(_META):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            shown = [int(v) if field != "eps" else v for v in values]
+            raise HaloError(f"group_norm: ranks disagree on {field}: {shown} (rank by rank); "
+                            "every rank must pass the same num_groups, eps, affine "
+                            "parameters and tensors that differ only in the sharded dim")
+
+
+def _gather_stats(x: torch.Tensor, groups: int, eps: float, weight: Any, bias: Any,
+                  problem: str | None, grp: _comm.Group) -> torch.Tensor:
+    """Every rank's `(3, B, G)` statistics, `(P, 3, B, G)`, after every rank has agreed on
+    the arguments (in the same all-gather: see `_BLOCK`)."""
+    meta = torch.tensor(_meta_row(x, groups, eps, weight, bias, problem is not None),
+                        dtype=torch.float64, device=_device(x))
+    if problem is None:
+        local = _local_stats(x, groups)
+        flat = local.reshape(-1).to(torch.float64)
+    else:
+        flat = meta.new_zeros(0)
+    head = _BLOCK - len(_META)
+    first = torch.cat([meta, flat[:head], flat.new_zeros(max(0, head - flat.numel()))])
+    what = "group_norm statistics all-gather"
+    block = _comm.all_gather(first.unsqueeze(0), grp, what)
+    if not torch.compiler.is_compiling():
+        _check_meta(block[:, : len(_META)].tolist(), problem)
+    elif problem is not None:
+        raise HaloError(problem)
+    stats = block[:, len(_META) : len(_META) + flat.numel()]
+    if flat.numel() > head:
+        stats = torch.cat([stats, _comm.all_gather(flat[head:].unsqueeze(0), grp, what)], 1)
+    return stats.reshape(grp.size, *local.shape).to(local.dtype)
+
+
+def _device(x: Any) -> torch.device:
+    if not isinstance(x, torch.Tensor) or x.device.type == "meta":
+        return torch.device("cpu")
+    return x.device
 
 
 def _local_stats(x: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -73,7 +162,8 @@ class _GroupNormFn(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,  # type: ignore[override]
                 bias: torch.Tensor | None, groups: int, eps: float, grp: _comm.Group
                 ) -> torch.Tensor:
-        stats = _comm.all_gather(_local_stats(x, groups).unsqueeze(0), grp)
+        stats = _gather_stats(x, groups, eps, weight, bias,
+                              _norm_problem(x, groups, weight, bias), grp)
         mean, var = _combine(stats)
         rstd = torch.rsqrt(var + eps)
         ctx.save_for_backward(x, weight, mean, rstd, stats[:, 0].sum(0))
@@ -99,7 +189,8 @@ class _GroupNormFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             sums = torch.stack([dxh.sum(within), (dxh * xh).sum(within)])  # (2, B, C)
             sums = _comm.all_reduce_sum(sums.unflatten(2, (mean.shape[1], -1)).sum(-1),
-                                        ctx.grp) / count.clamp(min=1.0)
+                                        ctx.grp, "group_norm backward all-reduce")
+            sums = sums / count.clamp(min=1.0)
             m1, m2 = (_per_channel(t, c, n) for t in sums)
             dx = (_per_channel(rstd, c, n) * (dxh - m1 - xh * m2)).to(x.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
@@ -131,14 +222,12 @@ def group_norm(
         group: the ranks sharing the sharded dim (as for `halo_exchange`).
 
     Raises:
-        HaloError: when C is not divisible by num_groups.
+        HaloError: on every rank, when C is not divisible by num_groups or the ranks
+            disagree on C, B, num_groups, eps, the affine parameters or the dtype.
 
     Example::
         >>> y = group_norm(x, 4, gn.weight, gn.bias, gn.eps, mesh)  # x: (2, 8, T_r, 16, 16)
         >>> y.shape == x.shape
         True
     """
-    if x.ndim < 2 or x.shape[1] % num_groups:
-        raise HaloError(f"group_norm needs C divisible by num_groups={num_groups}, "
-                        f"got shape {tuple(x.shape)}")
     return _GroupNormFn.apply(x, weight, bias, num_groups, eps, _comm.resolve_group(group))

@@ -76,8 +76,10 @@ class _Wrap(torch.autograd.Function):
     ) -> DTensor:
         ctx.mesh, ctx.placements = mesh, placements
         # from_local's own autograd rejects custom placements; here grad mode is off.
-        return DTensor.from_local(local, mesh, placements, shape=torch.Size(shape),
-                                  stride=contiguous_stride(shape))
+        out = DTensor.from_local(local, mesh, placements, shape=torch.Size(shape),
+                                 stride=contiguous_stride(shape))
+        check_local(out)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -135,6 +137,37 @@ def local_grad(grad: Any, mesh: DeviceMesh, placements: tuple[Placement, ...]) -
     return torch.nn.functional.pad(core, pads)
 
 
+@maybe_run_for_local_tensor
+def _check_local_length(length: int, expected: int, rank: int, p: HaloShard,
+                        global_length: int) -> None:
+    if length != expected:
+        raise HaloError(
+            f"a DTensor placed {p!r} with global length {global_length} along dim {p.dim} "
+            f"must hold {expected} slices there on rank {rank} (its chunk and both halos), "
+            f"but its local tensor has {length}: build it with haloshard.redistribute (or "
+            "from a local tensor that includes its halos)")
+
+
+def check_local(dt: DTensor) -> None:
+    """Raise `HaloError` when `dt`'s local tensor does not fit its `HaloShard` placement.
+
+    `DTensor.from_local` checks nothing: a chunk without its halos would be read as one with
+    them, and real slices dropped. Rank-local (no communication).
+    """
+    axis = halo_axis(dt.placements)
+    if axis is None:
+        return
+    p = dt.placements[axis]
+    assert isinstance(p, HaloShard)
+    local, mesh = dt._local_tensor, dt.device_mesh
+    if p.dim >= local.ndim:
+        raise HaloError(f"{p!r} shards dim {p.dim} of a {local.ndim}-D local tensor")
+    size, length = mesh.size(axis), dt.shape[p.dim]
+    expected = maybe_run_for_local_tensor(
+        lambda r: p.local_length(length, size, r))(mesh.get_local_rank(axis))
+    _check_local_length(local.shape[p.dim], expected, mesh.get_local_rank(axis), p, length)
+
+
 def _normalize(placements: Sequence[Placement], mesh: DeviceMesh) -> tuple[Placement, ...]:
     placements = tuple(placements)
     if len(placements) != mesh.ndim or not all(isinstance(p, Placement) for p in placements):
@@ -189,6 +222,7 @@ def redistribute(dt: DTensor, placements: Sequence[Placement], *,
     src, dst = tuple(dt.placements), _normalize(placements, mesh)
     check_placements(dt.shape, src)
     check_placements(dt.shape, dst)
+    check_local(dt)
     a, b = halo_axis(src), halo_axis(dst)
     if src == dst or (a is None and b is None):
         return dt if src == dst else torch_redistribute(dt, mesh, dst)

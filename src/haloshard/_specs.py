@@ -108,6 +108,16 @@ class TransposeStencil:
     fill: float | None = None
     min_input: int = 1
 
+    def __post_init__(self) -> None:
+        if (min(self.kernel, self.stride, self.dilation) < 1
+                or min(self.padding, self.output_padding) < 0
+                or self.output_padding >= max(self.stride, self.dilation)):
+            raise HaloError(
+                f"a TransposeStencil needs kernel, stride, dilation >= 1, padding >= 0 and "
+                f"0 <= output_padding < max(stride, dilation) (as ConvTranspose), got "
+                f"kernel={self.kernel}, stride={self.stride}, dilation={self.dilation}, "
+                f"padding={self.padding}, output_padding={self.output_padding}")
+
     def out_length(self, length: int) -> int:
         reach = self.dilation * (self.kernel - 1)
         return max(0, (length - 1) * self.stride - 2 * self.padding + reach
@@ -138,6 +148,13 @@ class ResampleStencil:
     mode: str = "nearest"
     fill: float | None = None
     min_input: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.factor, int) or self.factor < 1 or self.mode not in (
+                "nearest", "linear"):
+            raise HaloError(f"a ResampleStencil needs an integer factor >= 1 and mode "
+                            f"'nearest' or 'linear', got factor={self.factor!r}, "
+                            f"mode={self.mode!r}")
 
     @property
     def pad(self) -> PadMode:
@@ -200,12 +217,41 @@ def _along(value: int | tuple[int, ...] | list[int], index: int) -> int:
     return int(value[index]) if len(value) > 1 else int(value[0])
 
 
+def conv_padding(module: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> list[tuple[int, int]]:
+    """`(left, right)` padding per spatial dim, from the public `padding` attribute.
+
+    torch's own record (`_reversed_padding_repeated_twice`) is set in `__init__` and goes
+    stale when a subclass resets `self.padding` afterwards (diffusers' Wan conv does); torch
+    reads it only for a non-zeros `padding_mode`, where it must agree with `padding`.
+
+    Raises:
+        HaloError: when the two records disagree for a non-zeros padding mode.
+
+    Example::
+        >>> conv_padding(nn.Conv2d(1, 1, (3, 4), padding="same"))
+        [(1, 1), (1, 2)]
+    """
+    n, padding = len(module.kernel_size), module.padding
+    if isinstance(padding, str):
+        total = [d * (k - 1) if padding == "same" else 0
+                 for k, d in zip(module.kernel_size, module.dilation, strict=True)]
+        pairs = [(t // 2, t - t // 2) for t in total]
+    else:
+        pairs = [(int(p), int(p)) for p in (padding * n if len(padding) == 1 else padding)]
+    if module.padding_mode != "zeros":
+        rev = module._reversed_padding_repeated_twice
+        stale = [(rev[2 * (n - 1 - i)], rev[2 * (n - 1 - i) + 1]) for i in range(n)]
+        if stale != pairs:
+            raise HaloError(
+                f"{type(module).__name__} pads {pairs} by its padding attribute but torch "
+                f"will pad {stale} (padding_mode={module.padding_mode!r}, set at __init__); "
+                "expected padding not to change after __init__")
+    return pairs
+
+
 def _conv(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, si: int) -> ConvStencil:
     k, d = module.kernel_size[si], module.dilation[si]
-    rev = module._reversed_padding_repeated_twice
-    # torch's own record of the (left, right) padding per dim, 'same' included.
-    n = len(module.kernel_size)
-    left, right = rev[2 * (n - 1 - si)], rev[2 * (n - 1 - si) + 1]
+    left, right = conv_padding(module)[si]
     return ConvStencil(span=d * (k - 1) + 1, stride=module.stride[si], pad_left=left,
                        pad_right=right, pad=module.padding_mode)
 
@@ -254,6 +300,23 @@ def _upsample(module: nn.Upsample, si: int) -> ResampleStencil:
         raise HaloError("Upsample with align_corners=True is not supported: its source "
                         "positions depend on the global length; expected align_corners=False")
     return ResampleStencil(int(f), "linear" if linear else "nearest")
+
+
+def known_forward(module: nn.Module) -> bool:
+    """Whether the module runs torch's own forward for its kind (conv, pooling, ...).
+
+    Only then may a stencil derived from its attributes be trusted to describe what it
+    computes, and a fast path replace its forward: a subclass with its own `forward` may pad
+    or rescale in ways no attribute shows.
+
+    Example::
+        >>> known_forward(nn.Conv3d(1, 1, 3)), known_forward(nn.GELU())
+        (True, False)
+    """
+    if "forward" in module.__dict__:
+        return False
+    base = next((cls for cls in DERIVABLE if isinstance(module, cls)), None)
+    return base is not None and type(module).forward is base.forward
 
 
 def derive_stencil(module: nn.Module, dim: int) -> Stencil:
@@ -307,14 +370,15 @@ def _with(value: int | tuple[int, ...], index: int, n: int, new: int) -> tuple[i
 
 
 def _conv_attrs(module: nn.Conv1d, si: int, n: int) -> dict[str, object]:
-    rev = list(module._reversed_padding_repeated_twice)
-    rev[2 * (n - 1 - si)] = rev[2 * (n - 1 - si) + 1] = 0
-    pairs = [(rev[2 * (n - 1 - i)], rev[2 * (n - 1 - i) + 1]) for i in range(n)]
+    pairs = conv_padding(module)
+    pairs[si] = (0, 0)
     uneven = [i + 2 for i, (lo, hi) in enumerate(pairs) if lo != hi]
     if uneven and module.padding_mode == "zeros":
         raise HaloError(f"padding='same' with an even dilated kernel on dim(s) {uneven} (not "
                         f"the sharded dim {si + 2}) cannot be expressed without F.pad; expected "
                         "an odd kernel there or padding_mode other than 'zeros'")
+    # torch pads non-zeros modes from its private record: keep it in step with `padding`.
+    rev = [p for lo, hi in reversed(pairs) for p in (lo, hi)]
     return {"padding": tuple(lo for lo, _ in pairs), "_reversed_padding_repeated_twice": rev}
 
 
@@ -330,12 +394,19 @@ def check_spec(module: nn.Module, spec: HaloShard, dim: int) -> None:
     if spec.dim != dim:
         raise HaloError(f"spec {spec!r} shards dim {spec.dim} but dim={dim} was given; "
                         "expected the same dim")
-    if isinstance(module, DERIVABLE):
+    if isinstance(module, DERIVABLE) and known_forward(module):
         derived = derive_stencil(module, dim)
         if derived != stencil_of_spec(spec):
             raise HaloError(f"spec {spec!r} does not match {type(module).__name__}, which "
                             f"needs {derived}; pass spec=None to derive it")
         return
+    if isinstance(module, _CONVS) and 0 <= dim - 2 < _spatial_dims(module):
+        # Its own forward runs on the window with its padding attribute along dim removed:
+        # that padding is the halo's, so a spec must equal it where there is one.
+        own = conv_padding(module)[dim - 2]
+        if any(own) and own != (spec.left, spec.right):
+            raise HaloError(f"spec {spec!r} does not match {type(module).__name__}'s padding "
+                            f"{own} along dim {dim}; expected left, right = {own}")
     for name, inner in module.named_modules():
         if isinstance(inner, _CONVS) and _spatial_dims(inner) > dim - 2 >= 0:
             need = _conv(inner, dim - 2)
@@ -387,6 +458,9 @@ def plan_windows(stencil: Stencil, length: int, world: int, *, uniform: bool = F
         >>> p.out_length, p.left, p.right, p.win_start, p.win_len
         (4, 1, 1, (0, 0), (5, 5))
     """
+    at_length = getattr(stencil, "at_length", None)
+    if at_length is not None:  # a layer whose computation depends on the global length
+        stencil = at_length(length)
     out_length = stencil.out_length(length)
     if out_length <= 0:
         raise HaloError(f"{stencil} has no output for global length {length} along the "

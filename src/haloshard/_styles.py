@@ -7,6 +7,7 @@ sums the parameters' per-rank partial gradients over the cp axis for users witho
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -17,7 +18,14 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from haloshard import _comm
 from haloshard._errors import HaloError
-from haloshard._hooks import HaloHandle, annotation_of, attach, handle_of, resolve
+from haloshard._hooks import (
+    HaloHandle,
+    annotation_of,
+    attach,
+    handle_of,
+    names_errors,
+    resolve,
+)
 from haloshard._layout import HaloShard
 from haloshard._specs import DERIVABLE, STENCILS, Stencil, spatial_index
 
@@ -42,6 +50,11 @@ class HaloParallel(ParallelStyle):
         dim: the sharded dim of the module's input.
         overlap: run a stride-1 conv that keeps the length as `halo_conv` (its interior is
             computed while the halo travels); False exchanges first, then runs the module.
+            A conv subclass with a forward of its own always runs that forward.
+
+    A module may return a tuple whose first element is its output (`(output, cache)`): that
+    element is sharded and the others come back as None, since a window's cache is not the
+    single-device one.
 
     Raises:
         HaloError: in `_apply`, for a module whose halo cannot be derived, a spec that does
@@ -70,6 +83,7 @@ class HaloParallel(ParallelStyle):
         extra = "" if self.overlap else ", overlap=False"
         return f"HaloParallel(spec={self.spec!r}, dim={self.dim}{extra})"
 
+    @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         attach(module, resolve(module, self.spec, dim=self.dim), device_mesh,
                overlap=self.overlap)
@@ -140,33 +154,82 @@ def halo_handles(model: nn.Module) -> dict[str, HaloHandle]:
     return {fqn: h for fqn, h in found if h is not None}
 
 
+def _grads_problem(named: list[tuple[str, nn.Parameter]]) -> str | None:
+    for name, p in named:
+        if isinstance(p, DTensor):
+            return ("reduce_grads expects plain parameters; DTensor parameters (FSDP) are "
+                    f"reduced by their own wrapper, got {name} as a DTensor")
+        g = p.grad
+        if g is not None and (g.shape != p.shape or g.dtype != p.dtype or g.is_sparse):
+            return (f"reduce_grads: {name}'s gradient is {g.dtype} {tuple(g.shape)} "
+                    f"(layout {g.layout}), expected dense {p.dtype} {tuple(p.shape)}")
+    return None
+
+
+def _signature(named: list[tuple[str, nn.Parameter]]) -> int:
+    """A checksum of the parameters that require grad: names, shapes and dtypes."""
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named)
+    return zlib.crc32(text.encode())
+
+
+def _agree_params(named: list[tuple[str, nn.Parameter]], group: _comm.Group) -> list[bool]:
+    """Which parameters have a gradient on some rank, after every rank has agreed on the
+    parameter list; `HaloError` on every rank otherwise."""
+    problem = _grads_problem(named)
+    row = torch.tensor([int(problem is not None), len(named), _signature(named)])
+    rows = _comm.gather_ints(row, group, "reduce_grads metadata exchange")
+    if problem is not None:
+        raise HaloError(problem)
+    bad = [r for r, got in enumerate(rows) if got[0]]
+    if bad:
+        raise HaloError(f"reduce_grads: rank(s) {bad} rejected their gradients (see the error "
+                        "on those ranks)")
+    if len({(n, sig) for _, n, sig in rows}) > 1:
+        raise HaloError(
+            "reduce_grads: ranks disagree on the parameters that require grad (counts "
+            f"{[got[1] for got in rows]} rank by rank, or their names, shapes or dtypes "
+            "differ): every rank must hold the same model with the same frozen parameters")
+    mask = torch.tensor([int(p.grad is not None) for _, p in named], dtype=torch.int64)
+    if not named:
+        return []
+    seen = _comm.gather_ints(mask, group, "reduce_grads gradient-presence exchange")
+    return [any(got[i] for got in seen) for i in range(len(named))]
+
+
 def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | None = None
                  ) -> None:
     """Sum every parameter's gradient over the cp ranks, in place (one all-reduce per dtype).
 
     Under a halo, each rank's parameter gradient is the partial sum over its own outputs;
     the single-device gradient is their sum. DDP or FSDP over the cp ranks does this already.
-    A missing gradient counts as zeros, so every rank issues the same collectives.
+    A gradient that is None on every rank stays None (an optimizer then leaves that
+    parameter alone, as on one device); one that exists on some ranks only counts as zeros
+    on the others. Two small all-gathers first check that every rank holds the same
+    trainable parameters (names, shapes, dtypes) and learn which have gradients.
 
     Args:
         model: the model after `backward()`.
         mesh: the cp mesh (1-D), or a larger mesh with `mesh_axis` naming the cp axis.
         mesh_axis: the cp axis of an N-D mesh.
 
+    Raises:
+        HaloError: on every rank, when the ranks' trainable parameters differ (a parameter
+            frozen on one rank, another dtype) or a gradient does not match its parameter.
+
     Example::
         >>> loss.backward()
         >>> reduce_grads(model, mesh, mesh_axis="cp")
     """
     group = _comm.resolve_group(mesh if mesh_axis is None else (mesh, mesh_axis))
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    present = _agree_params(named, group)
+    params = [p for (_, p), has in zip(named, present, strict=True) if has]
     for p in params:
-        if isinstance(p, DTensor):
-            raise HaloError("reduce_grads expects plain parameters; DTensor parameters "
-                            "(FSDP) are reduced by their own wrapper")
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     for dtype in sorted({p.dtype for p in params}, key=str):
         grads = [p.grad for p in params if p.dtype == dtype and p.grad is not None]
-        flat = _comm.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]), group)
+        flat = _comm.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]), group,
+                                    "reduce_grads all-reduce")
         for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(part.view_as(g))

@@ -1,0 +1,236 @@
+"""A halo conv step across a matrix of shapes, through the path a user takes.
+
+`python -m benchmarks.matrix` runs P gloo ranks (1 thread each). For every shape it builds the
+layer, parallelizes copies of it with `parallelize_module(..., HaloParallel(...))` and feeds a
+`Shard(2)` DTensor, forward + backward, against the floor: the same layer on the same local
+chunk with its own padding along T (no communication, no halo). Contenders run round-robin
+after an untimed warm-up round; the median of --iters per contender, the slowest rank's.
+
+Columns, per shape:
+- `default / floor`: `HaloParallel()` (a plain conv runs as `halo_conv`, overlap on);
+- `no overlap / floor`: `HaloParallel(overlap=False)`: exchange first, then the layer;
+- `sent / halo`: bytes the rank sent in all-to-alls per step over the halo bytes it owes
+  (forward: its edge slices its neighbours need; backward: the gradients of the halo slices
+  it received), 1.00: only halo bytes cross the wire;
+- `meta`: metadata collectives (all-gathers of ints) the default path issued per step;
+- `peak / floor`: peak memory allocated during one step (torch's memory profiler), default
+  over the floor, and `limit`: what the target allows (floor + halo slices) * 1.05.
+
+The device follows the mesh: on a machine with GPUs (`--device cuda`) the same script runs on
+NCCL. Ratios, not times: absolute times on a 2-core VM vary by 3% or more between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+from benchmarks import steady_allocator
+from haloshard import HaloParallel, HaloShard
+from haloshard._plan import exchange_plan
+from haloshard.testing import GlooWorld, shard, worker_mesh
+
+
+class CausalConv(nn.Module):
+    """`F.pad` of `k - 1` frames (replicate) along T, then a conv with no T padding."""
+
+    def __init__(self, conv: nn.Module, k: int) -> None:
+        super().__init__()
+        self.conv, self.k = conv, k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        widths = [0, 0] * (x.ndim - 3) + [self.k - 1, 0]
+        return self.conv(F.pad(x, widths, mode="replicate"))
+
+
+class Case(NamedTuple):
+    """One layer and the global input shape it runs on; T (dim 2) is sharded. (A tuple: the
+    gloo workers load this file by path, where a dataclass cannot be built or unpickled.)"""
+
+    kind: str  # conv3d, conv2d, conv1d, dwconv1d
+    channels: int
+    length: int  # global T
+    spatial: tuple[int, ...]
+    k: int
+    causal: bool
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def name(self) -> str:
+        sp = "x".join(map(str, self.spatial))
+        dt = "" if self.dtype == torch.float32 else " bf16"
+        return (f"{self.kind} C{self.channels} T{self.length}{' ' + sp if sp else ''} "
+                f"k{self.k}{' causal' if self.causal else ''}{dt}")
+
+    def layer(self) -> tuple[nn.Module, HaloShard | None]:
+        n = 1 + len(self.spatial)
+        conv_cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[n]
+        groups = self.channels if self.kind == "dwconv1d" else 1
+        other = [self.k // 2] * (n - 1)
+        if self.causal:
+            conv = conv_cls(self.channels, self.channels, self.k, padding=(0, *other),
+                            groups=groups)
+            return CausalConv(conv, self.k), HaloShard(2, left=self.k - 1, pad="replicate")
+        return conv_cls(self.channels, self.channels, self.k, padding=self.k // 2,
+                        groups=groups), None
+
+
+def matrix(full: bool) -> list[Case]:
+    """The issue's matrix: conv3d (C 32..256, 2..16 frames per rank, 32..64 px, k3 centred
+    and causal), conv2d, conv1d dense and depthwise (causal k4, centred k5, L 4k..16k),
+    float32 and bfloat16. The default run takes a corner of each axis."""
+    cases = [
+        Case("conv3d", 32, 32, (32, 32), 3, False), Case("conv3d", 64, 16, (48, 48), 3, False),
+        Case("conv3d", 128, 16, (64, 64), 3, False), Case("conv3d", 256, 8, (32, 32), 3, False),
+        Case("conv3d", 64, 8, (48, 48), 3, True), Case("conv3d", 32, 4, (32, 32), 3, False),
+        Case("conv2d", 64, 512, (64,), 3, False),
+        Case("conv1d", 512, 8192, (), 5, False), Case("dwconv1d", 1024, 8192, (), 4, True),
+        Case("conv3d", 64, 16, (48, 48), 3, False, torch.bfloat16),
+    ]
+    if full:
+        cases += [Case("conv3d", c, t, (s, s), 3, causal)
+                  for c in (32, 128) for t in (4, 32) for s in (32, 64) for causal in (False, True)]
+        cases += [Case("conv1d", 256, n, (), 5, False) for n in (4096, 16384)]
+        cases += [Case("dwconv1d", 1024, n, (), 4, True) for n in (4096, 16384)]
+    return cases
+
+
+class _Count:
+    """Bytes this rank sends in all-to-alls and the int all-gathers it issues (c10d's eager
+    calls, the ones haloshard's `_comm` makes outside torch.compile)."""
+
+    def __init__(self) -> None:
+        self.sent = self.meta = 0
+        self._a2a, self._ag = dist.all_to_all_single, dist.all_gather_single
+
+    def __enter__(self) -> _Count:
+        rank = dist.get_rank()
+
+        def a2a(out: torch.Tensor, buf: torch.Tensor, recv: Any = None, send: Any = None,
+                *args: Any, **kwargs: Any) -> Any:
+            row = buf[0].numel() * buf.element_size() if buf.shape[0] else 0
+            splits = list(send) if send else [buf.shape[0] // dist.get_world_size()] * (
+                dist.get_world_size())
+            self.sent += row * sum(n for r, n in enumerate(splits) if r != rank)
+            return self._a2a(out, buf, recv, send, *args, **kwargs)
+
+        def gather(*args: Any, **kwargs: Any) -> Any:
+            self.meta += 1
+            return self._ag(*args, **kwargs)
+
+        dist.all_to_all_single, dist.all_gather_single = a2a, gather
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_to_all_single, dist.all_gather_single = self._a2a, self._ag
+
+
+def _peak_bytes(step: Callable[[], None]) -> int:
+    """Peak bytes allocated during `step`, from torch's memory profiler timeline."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        step()
+    live = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:
+        live += size if action.name == "CREATE" else -size if action.name == "DESTROY" else 0
+        peak = max(peak, live)
+    return peak
+
+
+def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    case = Case(*fields)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = worker_mesh(world)
+    gen = torch.Generator().manual_seed(0)
+    shape = (1, case.channels, case.length, *case.spatial)
+    full = torch.randn(shape, generator=gen).to(device, case.dtype)
+    layer, spec = case.layer()
+    layer = layer.to(device, case.dtype)
+    local = shard(full, 2, world, rank).contiguous()
+    floor_layer = copy.deepcopy(layer)
+    default, no_overlap = copy.deepcopy(layer), copy.deepcopy(layer)
+    parallelize_module(default, mesh, HaloParallel(spec))
+    parallelize_module(no_overlap, mesh, HaloParallel(spec, overlap=False))
+
+    def through(module: nn.Module) -> Callable[[], None]:
+        def step() -> None:
+            leaf = local.detach().requires_grad_()
+            x = DTensor.from_local(leaf, mesh, [Shard(2)], shape=full.shape,
+                                   stride=full.stride())
+            module(x).to_local().float().sum().backward()
+        return step
+
+    def floor() -> None:
+        floor_layer(local.detach().requires_grad_()).float().sum().backward()
+
+    steps = {"floor": floor, "default": through(default), "no overlap": through(no_overlap)}
+    for step in steps.values():  # untimed: plans, buffers, first collectives, the heap
+        step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(iters):  # round-robin: a busy spell of the machine hits every step alike
+        for name, step in steps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    with _Count() as count:
+        steps["default"]()
+    lengths = tuple(shard(full, 2, world, r).shape[2] for r in range(world))
+    left, right = (spec.left, spec.right) if spec else (case.k // 2, case.k // 2)
+    plan = exchange_plan(rank, lengths, left, right, "zeros")
+    slice_bytes = full.narrow(2, 0, 1).numel() * full.element_size()
+    # forward: the edge slices neighbours need; backward: the gradients of the halo slices
+    # this rank received, back to their owners
+    halo = (sum(plan.send_splits) + sum(plan.recv_splits)) * slice_bytes
+    peaks = {name: _peak_bytes(steps[name]) for name in ("floor", "default")}
+    return {"ms": {n: statistics.median(t) for n, t in times.items()},
+            "sent": count.sent / halo if halo else float("nan"), "meta": count.meta,
+            "peak": peaks, "halo": (left + right) * slice_bytes}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--full", action="store_true", help="the whole matrix")
+    parser.add_argument("--only", default="", help="run the cases whose name contains this")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    steady_allocator()
+    cases = [c for c in matrix(args.full) if args.only in c.name]
+    print(f"halo conv step (fwd+bwd) over the floor, {args.ranks} gloo ranks, 1 thread each, "
+          f"median of {args.iters}, through parallelize_module on a Shard(2) DTensor")
+    print(f"{'shape':<36} {'default':>8} {'no ovl':>8} {'sent/halo':>10} {'meta':>5} "
+          f"{'peak/floor':>11} {'limit':>6}")
+    worst = ("", 0.0)
+    with GlooWorld(args.ranks, timeout=3600) as gloo:
+        for case in cases:
+            ranks = gloo.run(rank_case, tuple(case), args.iters, args.device)
+            ms = {n: max(r["ms"][n] for r in ranks) for n in ranks[0]["ms"]}
+            peak = max(r["peak"]["default"] / max(r["peak"]["floor"], 1) for r in ranks)
+            limit = max((r["peak"]["floor"] + r["halo"]) * 1.05 / max(r["peak"]["floor"], 1)
+                        for r in ranks)
+            default = ms["default"] / ms["floor"]
+            worst = max(worst, (case.name, default), key=lambda w: w[1])
+            print(f"{case.name:<36} {default:>8.3f} {ms['no overlap'] / ms['floor']:>8.3f} "
+                  f"{max(r['sent'] for r in ranks):>10.2f} {max(r['meta'] for r in ranks):>5} "
+                  f"{peak:>11.3f} {limit:>6.3f}")
+    print(f"worst default / floor: {worst[1]:.3f} ({worst[0]})")
+
+
+if __name__ == "__main__":
+    main()
