@@ -20,6 +20,7 @@ from haloshard._layer_styles import (
     LocalParallel,
 )
 from haloshard._layout import PAD_MODES, HaloShard, shard_size_and_offset, shard_sizes
+from haloshard._masked_attention import frame_attention
 from haloshard._norms import group_norm
 from haloshard._redistribute import redistribute
 from haloshard._specs import ConvStencil, ResampleStencil, TransposeStencil
@@ -58,6 +59,7 @@ __all__ = [
     # layers that need more than a halo
     "group_norm",
     "attention",
+    "frame_attention",
     "gather_along",
     # checking a plan against one device
     "verify_plan",
