@@ -162,7 +162,8 @@ def _causal_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     x, group, n = site.local, (site.mesh, site.axis), site.local.shape[dim]
     gn = attn.group_norm
     y = x if gn is None else group_norm(x, gn.num_groups, gn.weight, gn.bias, gn.eps, group)
-    if enabled_local_tensor_mode() is not None:
+    padded = enabled_local_tensor_mode() is not None
+    if padded:
         # Simulated ranks: pad every chunk to the longest; some kernels' backward branches
         # on sizes that would otherwise differ between ranks. The padding is dropped below.
         longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
@@ -170,10 +171,12 @@ def _causal_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     tokens = y.movedim(1, -1).contiguous()  # (B, T_r, H, W, C)
     height, width = tokens.shape[2], tokens.shape[3]
     q, k, v = (_heads(lin(tokens), attn.heads) for lin in (attn.to_q, attn.to_k, attn.to_v))
-    o = frame_attention(q, k, v, group, global_length=site.length, causal=True, frames=n)
+    o = frame_attention(q, k, v, group, global_length=site.length, causal=True,
+                        frames=n if padded else None)
     o = o.permute(0, 2, 3, 1, 4).flatten(-2)  # (B, T_r, H*W, C)
     o = attn.to_out[1](attn.to_out[0](o)).unflatten(2, (height, width)).movedim(-1, 1)
-    o = o.narrow(dim, 0, n)
+    if padded:
+        o = o.narrow(dim, 0, n)
     if attn.residual_connection:
         o = o + x
     o = o / attn.rescale_output_factor

@@ -1,0 +1,114 @@
+"""diffusers 0.42.1 video VAEs with T sharded, against one device, through `verify_plan`.
+
+Tiny random-init instances with the real configuration (attention on, tiling, slicing and
+framewise batching off): few channels, one layer per block, H = W = 8. Each part (encoder,
+decoder) runs forward and backward with a fixed random cotangent; every module's output and
+input gradient and every parameter gradient (summed over the cp ranks) is compared.
+
+Tolerances: float64 at atol = rtol = 1e-10 (relative to the value's largest magnitude): the
+sharded run adds the same products in another order (GroupNorm statistics combined across
+ranks, K/V gathered, parameter gradients summed over ranks), a few ulps of O(1) values
+apart (measured: below 3e-14), while a misplaced or missing frame is O(1). The float32 case
+uses 1e-4: each conv sums ~10^2 products of O(1) values in float32 (eps 1.2e-7) and the
+parameter gradients sum over every frame and pixel, split over ranks, through ~30 layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+pytest.importorskip("diffusers")
+
+from haloshard import HaloError, LocalParallel, verify_plan
+from haloshard.integrations.diffusers import plan_for
+from haloshard.testing import seeded_randn, simulated_mesh, single_device, worker_mesh
+
+TOL = {"atol": 1e-10, "rtol": 1e-10}
+F32_TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+def hunyuan(dtype: torch.dtype = torch.float64) -> nn.Module:
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    with single_device():
+        torch.manual_seed(0)
+        vae = AutoencoderKLHunyuanVideo(
+            in_channels=3, out_channels=3, latent_channels=4,
+            down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+            block_out_channels=(8, 8, 8), layers_per_block=1, norm_num_groups=2,
+            spatial_compression_ratio=4, temporal_compression_ratio=4)
+        return vae.to(dtype).eval()
+
+
+# model: (factory, encoder input shape, decoder input shape); T = 9 frames, 3 latent frames
+MODELS: dict[str, tuple[Callable[..., nn.Module], tuple[int, ...], tuple[int, ...]]] = {
+    "hunyuan": (hunyuan, (1, 3, 9, 8, 8), (1, 4, 3, 2, 2)),
+}
+
+
+def check(name: str, part: str, mesh: Any, dtype: torch.dtype = torch.float64,
+          tol: dict[str, float] = TOL) -> None:
+    factory, enc_shape, dec_shape = MODELS[name]
+    vae = factory(dtype)
+    module = getattr(vae, part)
+    x = seeded_randn(enc_shape if part == "encoder" else dec_shape, 1, dtype)
+    report = verify_plan(module, plan_for(module), x, mesh, **tol)
+    assert report.ok, f"{name} {part}: {report}"
+    assert len(report.outputs) > 20 and len(report.param_grads) > 20, report
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("name", "part", "world"), [
+    ("hunyuan", "encoder", 2),  # 9 frames: 5, 4; mid-block at 3 frames: 2, 1
+    ("hunyuan", "encoder", 4),  # 3, 3, 3, 0: an empty shard all the way
+    ("hunyuan", "decoder", 3),  # 3 latent frames: 1, 1, 1; upsampled to 5 and 9
+    ("hunyuan", "decoder", 4),  # 1, 1, 1, 0
+])
+def test_exact_simulated(name: str, part: str, world: int) -> None:
+    with simulated_mesh(world) as mesh:
+        check(name, part, mesh)
+
+
+@pytest.mark.simulated
+def test_float32_simulated() -> None:
+    with simulated_mesh(3) as mesh:
+        check("hunyuan", "decoder", mesh, torch.float32, F32_TOL)
+
+
+@pytest.mark.simulated
+def test_wrong_plan_names_the_module() -> None:
+    """The mid-block run per shard (its block-causal attention then sees this rank's frames
+    only) is named as the first module that differs."""
+    vae = hunyuan()
+    plan = {**plan_for(vae.decoder), "mid_block": LocalParallel()}
+    with simulated_mesh(3) as mesh:
+        report = verify_plan(vae.decoder, plan, seeded_randn((1, 4, 3, 2, 2), 1), mesh, **TOL)
+    assert report.first is not None and report.first.fqn == "mid_block", report
+
+
+def test_plan_errors() -> None:
+    vae = hunyuan()
+    with pytest.raises(HaloError, match="no haloshard plan for Linear"):
+        plan_for(nn.Linear(2, 2))
+    vae.decoder.extra = nn.Linear(2, 2)
+    with pytest.raises(HaloError, match=r"extra \(Linear\) has parameters"):
+        plan_for(vae.decoder)
+    vae.use_tiling = True
+    with pytest.raises(HaloError, match="use_tiling is on"):
+        plan_for(vae)
+
+
+def on_gloo() -> None:
+    check("hunyuan", "decoder", worker_mesh(dist.get_world_size()))
+
+
+@pytest.mark.gloo
+def test_gloo(gloo: Callable[[int], Any]) -> None:
+    gloo(2).run(on_gloo, timeout=300)
