@@ -33,17 +33,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._local_tensor import enabled_local_tensor_mode
+from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from haloshard._attention import gather_along
 from haloshard._errors import HaloError
 from haloshard._hooks import _HANDLE, Annotation, HaloHandle, _dtensor_site, attach, handle_of
-from haloshard._layer_styles import CausalConvParallel, GroupNormParallel, LocalParallel
-from haloshard._layout import PadMode, shard_sizes
+from haloshard._layer_styles import (
+    CausalConvParallel,
+    FirstFrameParallel,
+    GroupNormParallel,
+    LocalParallel,
+)
+from haloshard._layout import HaloShard, PadMode, shard_size_and_offset, shard_sizes
 from haloshard._masked_attention import frame_attention, lack
 from haloshard._norms import group_norm
+from haloshard._styles import HaloParallel
 
 DIFFUSERS_VERSION = "0.42.1"
 _PAD = {"replicate": "replicate", "constant": "zeros", "zeros": "zeros"}
@@ -228,13 +235,115 @@ class HunyuanMidBlockParallel(ParallelStyle):
         for i, attn in enumerate(module.attentions):
             if attn is not None:
                 _check_attention(attn, f"attentions.{i}")
-        if handle_of(module) is not None:
-            raise HaloError("a haloshard style is already applied to HunyuanVideoMidBlock3D; "
-                            "call its handle's remove() first")
-        forward = _MidBlockForward(module, self.dim)
-        forward.previous = module.__dict__.get("forward")
-        module.forward = forward
-        setattr(module, _HANDLE, HaloHandle(module, {}, forward.previous))
+        _install(module, _MidBlockForward(module, self.dim))
+        return module
+
+
+def _install(module: nn.Module, forward: Any) -> None:
+    """Replace `module.forward` by `forward`; the handle (`halo_handles`) restores it."""
+    if handle_of(module) is not None:
+        raise HaloError(f"a haloshard style is already applied to {type(module).__name__}; "
+                        "call its handle's remove() first")
+    forward.previous = module.__dict__.get("forward")
+    module.forward = forward
+    setattr(module, _HANDLE, HaloHandle(module, {}, forward.previous))
+
+
+# ---------------------------------------------------------------- CogVideoX spatial norm
+class _SpatialNormForward:
+    """`CogVideoXSpatialNorm3D.forward(f, zq)` on `Shard(T)` DTensors f and zq."""
+
+    previous: Callable[..., Any] | None = None
+
+    def __init__(self, module: nn.Module, dim: int) -> None:
+        self.module, self.dim = module, dim
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _SpatialNormForward:
+        import copy
+
+        new = _SpatialNormForward(copy.deepcopy(self.module, memo), self.dim)
+        new.previous = copy.deepcopy(self.previous, memo)
+        return new
+
+    def __call__(self, f: torch.Tensor, zq: torch.Tensor,
+                 conv_cache: dict[str, Any] | None = None) -> tuple[DTensor, dict[str, Any]]:
+        if not isinstance(f, DTensor) or not isinstance(zq, DTensor) or conv_cache:
+            raise HaloError(f"CogSpatialNormParallel needs Shard({self.dim}) DTensors f and zq "
+                            f"and no conv_cache, got {type(f).__name__}, {type(zq).__name__}, "
+                            f"conv_cache={bool(conv_cache)}")
+        m, site, z_site = self.module, _dtensor_site(f, self.dim), _dtensor_site(zq, self.dim)
+        group, n = (site.mesh, site.axis), site.local.shape[self.dim]
+        world = site.mesh.size(site.axis)
+        # zq is the latent: small. Gather it, resize H and W, pick each local frame's source.
+        z_all = gather_along(z_site.local, self.dim, group, global_length=z_site.length)
+        z_all = F.interpolate(z_all, size=(z_site.length, *f.shape[-2:]))
+        rows = shard_sizes(site.length, world)[0] if enabled_local_tensor_mode() is not None \
+            else None
+        index = _zq_frames(site.mesh.get_local_rank(site.axis), site.length, z_site.length,
+                           world, rows, f.device)
+        z_local = z_all.index_select(self.dim, index)  # >= 1 frame: convs refuse empty input
+        conv_y, conv_b = (conv(z_local)[0].narrow(self.dim, 0, n) for conv in (m.conv_y, m.conv_b))
+        gn = m.norm_layer
+        norm_f = group_norm(site.local, gn.num_groups, gn.weight, gn.bias, gn.eps, group)
+        out = norm_f * conv_y + conv_b
+        stride = tuple(math.prod(f.shape[i + 1 :]) for i in range(f.ndim))
+        y = DTensor.from_local(out, site.mesh, site.placements, run_check=False, shape=f.shape,
+                               stride=stride)
+        return y, {"conv_y": None, "conv_b": None}
+
+
+@maybe_run_for_local_tensor
+def _zq_frames(rank: int, length: int, z_length: int, world: int, rows: int | None,
+               device: torch.device) -> torch.Tensor:
+    """The zq frame each of this rank's f frames reads, as `CogVideoXSpatialNorm3D` resizes
+    zq (nearest; the first frame apart for an odd length > 1), padded with frame 0 to
+    `rows` (or to one frame for an empty chunk)."""
+    def nearest(src: int, dst: int) -> torch.Tensor:
+        ramp = torch.arange(src, dtype=torch.float64).view(1, 1, -1)
+        return F.interpolate(ramp, size=dst).view(-1).long()
+
+    if length > 1 and length % 2 == 1:
+        full = torch.cat([torch.zeros(1, dtype=torch.long), 1 + nearest(z_length - 1,
+                                                                         length - 1)])
+    else:
+        full = nearest(z_length, length)
+    size, offset = shard_size_and_offset(length, world, rank)
+    picked = full[offset : offset + size]
+    want = rows if rows is not None else max(size, 1)
+    return torch.cat([picked, picked.new_zeros(want - size)]).to(device)
+
+
+class CogSpatialNormParallel(ParallelStyle):
+    """`CogVideoXSpatialNorm3D` (the CogVideoX decoder's norm conditioned on the latent zq)
+    on `Shard(T)`, exact.
+
+    On one device it resizes zq to f's frames (nearest, the first frame apart when f's
+    length is odd) by f's *global* length, which a local chunk does not know. Here zq (the
+    latent, the model's smallest tensor) is gathered along T, resized in H and W, and each
+    local frame picks its source frame by the same nearest rule; the 1x1x1 convs `conv_y`,
+    `conv_b` run on those frames and `norm_layer` runs as `group_norm` with global
+    statistics. The returned cache is None (as for the other halo modules).
+
+    Raises:
+        HaloError: in `_apply` for another class or convs that are not 1x1x1; at run time for
+            plain-tensor inputs or a conv_cache.
+    """
+
+    def __init__(self, *, dim: int = 2) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"CogSpatialNormParallel(dim={self.dim})"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_class(module, "CogVideoXSpatialNorm3D", "CogSpatialNormParallel")
+        for name in ("conv_y", "conv_b"):
+            conv = getattr(module, name).conv
+            if tuple(conv.kernel_size) != (1, 1, 1) or tuple(conv.stride) != (1, 1, 1):
+                raise HaloError(f"CogSpatialNormParallel expects 1x1x1 convs, {name} has "
+                                f"kernel {conv.kernel_size}, stride {conv.stride}")
+        _install(module, _SpatialNormForward(module, self.dim))
         return module
 
 
@@ -260,7 +369,40 @@ _HUNYUAN: dict[str, _Rule] = {
     "Conv3d": (lambda m: _pointwise(m), True),  # quant_conv, post_quant_conv
 }
 
+def _cog_causal_conv(module: nn.Module) -> ParallelStyle:
+    """CogVideoX's causal conv: `F.pad` (replicate) or a `torch.cat` of the first frame
+    (`k - 1` times, i.e. replicate padding) before a conv of stride 1 along T; it returns
+    `(output, conv_cache)`, whose cache comes back as None under a halo."""
+    k, stride = module.time_kernel_size, module.conv.stride[0]
+    if stride != 1 or module.conv.dilation[0] != 1:
+        raise HaloError(f"a CogVideoXCausalConv3d with stride {stride} and dilation "
+                        f"{module.conv.dilation[0]} along T is not planned; expected 1 and 1")
+    if module.pad_mode == "replicate":
+        return CausalConvParallel(pad="replicate")
+    return HaloParallel(HaloShard(2, left=k - 1, pad="replicate"))
+
+
+def _cog_resample(module: nn.Module) -> ParallelStyle:
+    # an even T: pairs pooled from frame 0 / every frame repeated; odd: the first frame kept
+    if not module.compress_time:
+        return LocalParallel()
+    down = type(module).__name__ == "CogVideoXDownsample3D"
+    return FirstFrameParallel(2, "down" if down else "up", even="all")
+
+
+_COGVIDEOX: dict[str, _Rule] = {
+    "CogVideoXCausalConv3d": (_cog_causal_conv, True),
+    "CogVideoXDownsample3D": (_cog_resample, True),
+    "CogVideoXUpsample3D": (_cog_resample, True),
+    "CogVideoXSpatialNorm3D": (lambda m: CogSpatialNormParallel(), True),
+    "CogVideoXSafeConv3d": (lambda m: _pointwise(m), True),  # 1x1 shortcut, quant convs
+    "GroupNorm": (lambda m: GroupNormParallel(), True),
+}
+
 _PLANS: dict[str, dict[str, _Rule]] = {
+    "AutoencoderKLCogVideoX": _COGVIDEOX,
+    "CogVideoXEncoder3D": _COGVIDEOX,
+    "CogVideoXDecoder3D": _COGVIDEOX,
     "AutoencoderKLHunyuanVideo": _HUNYUAN,
     "HunyuanVideoEncoder3D": _HUNYUAN,
     "HunyuanVideoDecoder3D": _HUNYUAN,
