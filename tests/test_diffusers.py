@@ -61,13 +61,27 @@ def cogvideox(dtype: torch.dtype = torch.float64) -> nn.Module:
         return vae.to(dtype).eval()
 
 
+def mochi(dtype: torch.dtype = torch.float64) -> nn.Module:
+    from diffusers import AutoencoderKLMochi
+
+    with single_device():  # GroupNorm and attention heads need 32 channels
+        torch.manual_seed(0)
+        vae = AutoencoderKLMochi(
+            encoder_block_out_channels=(32,) * 4, decoder_block_out_channels=(32,) * 4,
+            latent_channels=4, layers_per_block=(1,) * 5)
+        return vae.to(dtype).eval()
+
+
 # model: (factory, encoder input shape, decoder input shape); T = 9 frames, 3 latent frames
 MODELS: dict[str, tuple[Callable[..., nn.Module], tuple[int, ...], tuple[int, ...]]] = {
     "hunyuan": (hunyuan, (1, 3, 9, 8, 8), (1, 4, 3, 2, 2)),
     "cogvideox": (cogvideox, (1, 3, 8, 8, 8), (1, 4, 3, 2, 2)),  # even T: pairs from frame 0
+    # temporal factors 1, 2, 3: 7 frames -> 4 -> 2 latent frames; latents 2x2 (per-frame
+    # GroupNorm needs more than one value per group)
+    "mochi": (mochi, (1, 3, 7, 16, 16), (1, 4, 3, 2, 2)),
 }
 # the parts that return (output, conv_cache)
-TUPLES = {"cogvideox"}
+TUPLES = {"cogvideox", "mochi"}
 
 
 def check(name: str, part: str, mesh: Any, dtype: torch.dtype = torch.float64,
@@ -91,6 +105,10 @@ def check(name: str, part: str, mesh: Any, dtype: torch.dtype = torch.float64,
     ("cogvideox", "encoder", 3),  # 8 frames: 3, 3, 2; downsampled to 4 (2, 2, 0) and 2
     ("cogvideox", "decoder", 2),  # 3 latent frames: 2, 1; upsampled to 5 and 9
     ("cogvideox", "decoder", 4),  # 1, 1, 1, 0
+    ("mochi", "encoder", 3),  # 3, 3, 1 -> 2, 2, 0 (causal attention along T) -> 1, 1, 0
+    # 2, 1 latent frames -> x3 (depth-to-space along T): 9 as 5, 4, rank 1's first frame
+    # from rank 0's last latent frame -> x2: 18 as 9, 9
+    ("mochi", "decoder", 2),
 ])
 def test_exact_simulated(name: str, part: str, world: int) -> None:
     with simulated_mesh(world) as mesh:

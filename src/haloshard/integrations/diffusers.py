@@ -40,16 +40,26 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from haloshard._attention import gather_along
 from haloshard._errors import HaloError
-from haloshard._hooks import _HANDLE, Annotation, HaloHandle, _dtensor_site, attach, handle_of
+from haloshard._hooks import (
+    _HANDLE,
+    Annotation,
+    HaloHandle,
+    _dtensor_site,
+    _Site,
+    attach,
+    handle_of,
+)
 from haloshard._layer_styles import (
     CausalConvParallel,
     FirstFrameParallel,
     GroupNormParallel,
     LocalParallel,
+    _LocalForward,
 )
 from haloshard._layout import HaloShard, PadMode, shard_size_and_offset, shard_sizes
 from haloshard._masked_attention import frame_attention, lack
 from haloshard._norms import group_norm
+from haloshard._specs import DERIVABLE
 from haloshard._styles import HaloParallel
 
 DIFFUSERS_VERSION = "0.42.1"
@@ -59,6 +69,43 @@ _PAD = {"replicate": "replicate", "constant": "zeros", "zeros": "zeros"}
 def _check_class(module: nn.Module, name: str, style: str) -> None:
     if type(module).__name__ != name:
         raise HaloError(f"{style} applies to diffusers' {name}, got {type(module).__name__}")
+
+
+# ---------------------------------------------------------------- per-frame layers
+class _FramewiseForward(_LocalForward):
+    """`LocalParallel`'s forward whose simulated ranks all run chunks of one length.
+
+    Under `LocalTensorMode` a per-frame module that folds T into the batch and back
+    (`flatten(0, 1)` ... `unflatten(0, (B, -1))`, Mochi's chunked GroupNorm) cannot run
+    on per-rank lengths; every chunk is zero-padded to the longest, and the padding frames'
+    outputs (computed per frame, so they touch no real frame) are dropped.
+    """
+
+    style = "FramewiseParallel"
+
+    def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if enabled_local_tensor_mode() is None or site.placements is None:
+            return super().local(site, *args, **kwargs)
+        x, n = site.local, site.local.shape[self.dim]
+        longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
+        x = F.pad(x, [0, 0] * (x.ndim - 1 - self.dim) + [0, lack(n, longest)])
+        # a fresh tensor of the padded shape: the pad's own strides may stay per-rank
+        shape = (*x.shape[: self.dim], longest, *x.shape[self.dim + 1 :])
+        x = torch.empty(shape, dtype=x.dtype, device=x.device).copy_(x)
+        return self.original(x, *args, **kwargs).narrow(self.dim, 0, n)
+
+
+class FramewiseParallel(LocalParallel):
+    """`LocalParallel` for a module that acts on each frame alone, exact; under simulated
+    ranks every rank runs a chunk of the same length (see `_FramewiseForward`)."""
+
+    forward_type = _FramewiseForward
+
+    def _validate(self, module: nn.Module) -> None:
+        if self.dim < 1 or isinstance(module, DERIVABLE):
+            raise HaloError(f"FramewiseParallel is for per-frame modules on dim >= 1 (not "
+                            f"convs or pooling: use LocalParallel or HaloParallel), got "
+                            f"{type(module).__name__} on dim {self.dim}")
 
 
 # ---------------------------------------------------------------- HunyuanVideo upsampler
@@ -347,9 +394,209 @@ class CogSpatialNormParallel(ParallelStyle):
         return module
 
 
+# ---------------------------------------------------------------- Mochi
+def _local_forward_copy(cls: type, obj: Any, memo: dict[int, Any]) -> Any:
+    import copy
+
+    new = copy.copy(obj)
+    new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in obj.__dict__.items()
+                         if k not in ("dim", "mesh")})
+    return new
+
+
+class _MochiBlockForward:
+    """`MochiDownBlock3D` / `MochiMidBlock3D` forward on a `Shard(T)` DTensor: conv_in and
+    resnets through their plan entries, each attention as `frame_attention` along T per
+    pixel (causal)."""
+
+    previous: Callable[..., Any] | None = None
+
+    def __init__(self, module: nn.Module, dim: int) -> None:
+        self.module, self.dim = module, dim
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _MochiBlockForward:
+        return _local_forward_copy(_MochiBlockForward, self, memo)
+
+    def __call__(self, x: torch.Tensor, conv_cache: dict[str, Any] | None = None,
+                 chunk_size: int = 2**15) -> tuple[DTensor, dict[str, Any]]:
+        if not isinstance(x, DTensor) or conv_cache:
+            raise HaloError(f"MochiBlockParallel needs a Shard({self.dim}) DTensor input and no "
+                            f"conv_cache, got {type(x).__name__}, conv_cache={bool(conv_cache)}")
+        m, cache = self.module, {}
+        h = x
+        if hasattr(m, "conv_in"):
+            h, cache["conv_in"] = m.conv_in(h)
+        for i, (resnet, norm, attn) in enumerate(zip(m.resnets, m.norms, m.attentions,
+                                                     strict=True)):
+            h, cache[f"resnet_{i}"] = resnet(h)
+            if attn is not None:
+                h = h + _pixel_attention(attn, norm(h), self.dim)
+        return h, cache
+
+
+def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
+    """`MochiVaeAttnProcessor2_0`: causal attention along T of each pixel's tokens
+    `(B*H*W, T, C)`, on this rank's frames; K/V gathered along T."""
+    site = _dtensor_site(h, dim)
+    x, group, n = site.local, (site.mesh, site.axis), site.local.shape[dim]
+    padded = enabled_local_tensor_mode() is not None
+    if padded:  # as in _causal_attention: equal shapes across simulated ranks
+        longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
+        x = F.pad(x, (0, 0, 0, 0, 0, lack(n, longest)))
+    tokens = x.permute(0, 3, 4, 2, 1).contiguous()  # (B, H, W, T_r, C)
+
+    def heads(lin: nn.Module, norm: nn.Module | None) -> torch.Tensor:
+        t = lin(tokens)
+        t = t.unflatten(-1, (attn.heads, t.shape[-1] // attn.heads)).transpose(-3, -2)
+        return (norm(t) if norm is not None else t).unsqueeze(-2)  # (B, H, W, h, T_r, 1, E)
+
+    q, k, v = heads(attn.to_q, attn.norm_q), heads(attn.to_k, attn.norm_k), \
+        heads(attn.to_v, None)
+    o = frame_attention(q, k, v, group, global_length=site.length, causal=True,
+                        frames=n if padded else None)
+    o = o.squeeze(-2).transpose(-3, -2).flatten(-2).contiguous()  # (B, H, W, T_r, C)
+    o = attn.to_out[1](attn.to_out[0](o))
+    if attn.residual_connection:
+        o = o + tokens
+    o = (o / attn.rescale_output_factor).permute(0, 4, 3, 1, 2)
+    if padded:
+        o = o.narrow(dim, 0, n)
+    stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
+    return DTensor.from_local(o.contiguous(), site.mesh, site.placements, run_check=False,
+                              shape=h.shape, stride=stride)
+
+
+def _check_mochi_attention(attn: nn.Module, fqn: str) -> None:
+    processor = type(getattr(attn, "processor", None)).__name__
+    norms = {type(getattr(attn, n, None)).__name__ for n in ("norm_q", "norm_k")}
+    if (processor != "MochiVaeAttnProcessor2_0" or not attn.is_causal or attn.group_norm
+            or attn.spatial_norm or attn.is_cross_attention or not norms <= {"LpNorm",
+                                                                              "NoneType"}
+            or any(getattr(attn, n).dim not in (-1, 3) for n in ("norm_q", "norm_k")
+                   if getattr(attn, n, None) is not None)):
+        raise HaloError(f"MochiBlockParallel knows diffusers' causal Attention with "
+                        f"MochiVaeAttnProcessor2_0 and per-token LpNorm q/k norms; {fqn} has "
+                        f"processor {processor}, norms {sorted(norms)}, is_causal "
+                        f"{attn.is_causal}")
+
+
+class MochiBlockParallel(ParallelStyle):
+    """`MochiDownBlock3D` / `MochiMidBlock3D` on `Shard(T)`, attention included, exact.
+
+    The block's conv_in, resnets and norms run through their own plan entries; each
+    attention (causal along T, one sequence per pixel) runs as its processor does, with
+    `frame_attention(causal=True)` over keys and values gathered along T. Memory: every rank
+    holds the block's full K and V (`2 * B * T * H * W * C`): all pixels attend along T.
+
+    Raises:
+        HaloError: in `_apply` for another class or an attention it does not know; at run
+            time for a plain tensor input or a conv_cache.
+    """
+
+    def __init__(self, *, dim: int = 2) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"MochiBlockParallel(dim={self.dim})"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if type(module).__name__ not in ("MochiDownBlock3D", "MochiMidBlock3D"):
+            raise HaloError(f"MochiBlockParallel applies to diffusers' MochiDownBlock3D and "
+                            f"MochiMidBlock3D, got {type(module).__name__}")
+        for i, attn in enumerate(module.attentions):
+            if attn is not None:
+                _check_mochi_attention(attn, f"attentions.{i}")
+        _install(module, _MochiBlockForward(module, self.dim))
+        return module
+
+
+@dataclass(frozen=True)
+class RepeatStencil:
+    """Each input frame becomes `factor` output frames (depth-to-space along T).
+
+    Example::
+        >>> RepeatStencil(3).window(4, 8)  # outputs 4..7 come from inputs 1..2
+        (1, 3, 1)
+    """
+
+    factor: int
+    pad: PadMode = "zeros"  # never used: windows stay inside [0, T)
+    fill: float | None = None
+    min_input: int = 1
+
+    def out_length(self, length: int) -> int:
+        return max(length, 0) * self.factor
+
+    def window(self, start: int, stop: int) -> tuple[int, int, int]:
+        f = self.factor
+        return start // f, (stop - 1) // f + 1, start % f
+
+
+class _MochiExpand(nn.Module):
+    """The end of `MochiUpBlock3D.forward`: `proj` per token, then depth-to-space."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.proj = block.proj
+        self.st, self.s = block.temporal_expansion, block.spatial_expansion
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.proj(h.permute(0, 2, 3, 4, 1)).permute(0, 4, 1, 2, 3)
+        b, _, t, height, width = h.shape
+        h = h.reshape(b, -1, self.st, self.s, self.s, t, height, width)
+        h = h.permute(0, 1, 5, 2, 6, 3, 7, 4).contiguous()
+        return h.reshape(b, -1, t * self.st, height * self.s, width * self.s)
+
+
+class _MochiUpForward:
+    previous: Callable[..., Any] | None = None
+
+    def __init__(self, module: nn.Module, expand: nn.Module) -> None:
+        self.module, self.expand = module, expand
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _MochiUpForward:
+        return _local_forward_copy(_MochiUpForward, self, memo)
+
+    def __call__(self, x: torch.Tensor, conv_cache: dict[str, Any] | None = None
+                 ) -> tuple[torch.Tensor, dict[str, Any]]:
+        if conv_cache:
+            raise HaloError("MochiUpBlockParallel runs without a conv_cache, got one")
+        h, cache = x, {}
+        for i, resnet in enumerate(self.module.resnets):
+            h, cache[f"resnet_{i}"] = resnet(h)
+        return self.expand(h), cache
+
+
+class MochiUpBlockParallel(ParallelStyle):
+    """`MochiUpBlock3D` on `Shard(T)`, exact: its resnets through their plan entries, then
+    its per-token `proj` and depth-to-space (each frame becomes `temporal_expansion`
+    frames) on the window of input frames this rank's output frames come from.
+
+    Raises:
+        HaloError: in `_apply` for another class.
+    """
+
+    def __init__(self, *, dim: int = 2) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"MochiUpBlockParallel(dim={self.dim})"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_class(module, "MochiUpBlock3D", "MochiUpBlockParallel")
+        expand = _MochiExpand(module)
+        attach(expand, Annotation(None, self.dim, RepeatStencil(module.temporal_expansion)),
+               device_mesh)
+        _install(module, _MochiUpForward(module, expand))
+        return module
+
+
 # ---------------------------------------------------------------- plans
-# class name -> (style for it, whether the style covers the module's children too)
-_Rule = tuple[Callable[[nn.Module], ParallelStyle | None], bool]
+# class name -> (style for it, whether the style covers the module's children too: all of
+# them, or the named ones)
+_Rule = tuple[Callable[[nn.Module], ParallelStyle | None], bool | tuple[str, ...]]
 
 
 def _causal_conv(module: nn.Module) -> ParallelStyle:
@@ -374,11 +621,11 @@ def _cog_causal_conv(module: nn.Module) -> ParallelStyle:
     (`k - 1` times, i.e. replicate padding) before a conv of stride 1 along T; it returns
     `(output, conv_cache)`, whose cache comes back as None under a halo."""
     k, stride = module.time_kernel_size, module.conv.stride[0]
+    if module.pad_mode == "replicate":  # F.pad then the conv: any stride (Mochi's down)
+        return CausalConvParallel(pad="replicate")
     if stride != 1 or module.conv.dilation[0] != 1:
         raise HaloError(f"a CogVideoXCausalConv3d with stride {stride} and dilation "
                         f"{module.conv.dilation[0]} along T is not planned; expected 1 and 1")
-    if module.pad_mode == "replicate":
-        return CausalConvParallel(pad="replicate")
     return HaloParallel(HaloShard(2, left=k - 1, pad="replicate"))
 
 
@@ -399,7 +646,22 @@ _COGVIDEOX: dict[str, _Rule] = {
     "GroupNorm": (lambda m: GroupNormParallel(), True),
 }
 
+_MOCHI: dict[str, _Rule] = {
+    "CogVideoXCausalConv3d": (_cog_causal_conv, True),
+    "MochiChunkedGroupNorm3D": (lambda m: FramewiseParallel(), True),
+    "MochiDownBlock3D": (lambda m: MochiBlockParallel(), False),
+    "MochiMidBlock3D": (lambda m: MochiBlockParallel(), False),
+    "MochiUpBlock3D": (lambda m: MochiUpBlockParallel(), ("proj",)),
+    "Attention": (lambda m: None, True),  # run by the block's style
+    "FourierFeatures": (lambda m: FramewiseParallel(), True),
+    "Linear": (lambda m: FramewiseParallel(dim=1), True),  # proj_in / proj_out, channels-last
+    "Conv3d": (lambda m: _pointwise(m), True),  # the decoder's 1x1 conv_in
+}
+
 _PLANS: dict[str, dict[str, _Rule]] = {
+    "AutoencoderKLMochi": _MOCHI,
+    "MochiEncoder3D": _MOCHI,
+    "MochiDecoder3D": _MOCHI,
     "AutoencoderKLCogVideoX": _COGVIDEOX,
     "CogVideoXEncoder3D": _COGVIDEOX,
     "CogVideoXDecoder3D": _COGVIDEOX,
@@ -448,7 +710,7 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {}
     covered: list[str] = []
     for fqn, sub in module.named_modules():
-        if any(fqn.startswith(f"{c}.") for c in covered):
+        if any(fqn == c or fqn.startswith(f"{c}.") for c in covered):
             continue
         rule = rules.get(type(sub).__name__)
         if rule is None:
@@ -460,7 +722,9 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
         style = rule[0](sub)
         if style is not None:
             plan[fqn] = style
-        if rule[1]:
+        if rule[1] is True:
             covered.append(fqn)
+        elif rule[1]:  # names of children the style runs itself
+            covered.extend(f"{fqn}.{child}" for child in rule[1])
     return plan
 
