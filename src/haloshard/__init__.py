@@ -1,8 +1,9 @@
 """haloshard: halo layouts and differentiable neighbour exchange for context parallelism.
 
-Importing the package initialises no process group and no device. It does register guards
-for DTensors that carry a `HaloShard` placement (`haloshard._dtensor_ops`): DTensor's own
-redistribute and op dispatch would otherwise mishandle that placement silently.
+Importing the package initialises no process group and no device, and changes nothing in
+torch. Building the first `HaloShard` placement registers guards for DTensors that carry one
+(`haloshard._dtensor_ops`): DTensor's own redistribute and op dispatch would otherwise
+mishandle that placement silently.
 """
 
 from haloshard._attention import attention, gather_along
