@@ -24,6 +24,7 @@ from haloshard._norms import group_norm
 from haloshard._redistribute import redistribute
 from haloshard._specs import ConvStencil, ResampleStencil, TransposeStencil
 from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
+from haloshard._varlen import packed, varlen_conv
 
 __all__ = [
     # layout
@@ -58,6 +59,9 @@ __all__ = [
     "group_norm",
     "attention",
     "gather_along",
+    # packed variable-length sequences
+    "varlen_conv",
+    "packed",
     # errors and bounded failures
     "HaloError",
     "set_timeout",
