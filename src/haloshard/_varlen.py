@@ -265,8 +265,8 @@ def _conv_args(x: object, weight: object, dim: object, left: int | None, right: 
     """This rank's conv arguments, validated (raises HaloError, reported on every rank)."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or \
             weight.ndim != x.ndim or x.ndim < 3:
-        raise HaloError(f"varlen_conv needs x and weight of the same rank >= 3, got "
-                        f"{tuple(getattr(x, 'shape', ()))} and "
+        raise HaloError(f"varlen_conv needs x and weight of the same rank >= 3, got a "
+                        f"{getattr(x, 'ndim', type(x).__name__)}-D x and a weight of shape "
                         f"{tuple(getattr(weight, 'shape', ()))}")
     n = x.ndim - 2
     if not isinstance(dim, int) or not 2 <= dim % x.ndim < x.ndim or dim < -n:
@@ -442,16 +442,16 @@ def _conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g: _
           args: _ConvArgs, group: GroupLike, grp: Group, transport: str | None
           ) -> torch.Tensor:
     dim = args.dim
-    source, conv_padding = _pad_other_dims(x, args)
-    buf = halo_exchange(source, *g.halo, dim, group, transport=transport,
-                        global_length=g.cu[-1])
-    extra = [_gather_edges(source, g, dim, grp)] if g.pad == "circular" else []
+    buf = halo_exchange(x, *g.halo, dim, group, transport=transport, global_length=g.cu[-1])
+    extra = [_gather_edges(x, g, dim, grp)] if g.pad == "circular" else []
     if g.spare:
         shape = list(buf.shape)
         shape[dim] = 1
         extra.append(buf.new_zeros(shape))
     if extra:
         buf = torch.cat([buf, *extra], dim)
+    # After the exchange: fewer bytes move, and the buffer is never empty (F.pad refuses).
+    buf, conv_padding = _pad_other_dims(buf, args)
     index, mask = _rank_tap_index(g, grp.rank, x.device)
     taps = _fold_taps(buf, index, mask, g.kernel, x.shape[dim] + g.spare, dim)
     stride = [1 if i == args.along else s for i, s in enumerate(args.stride)]
