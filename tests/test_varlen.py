@@ -12,6 +12,7 @@ slice read across a boundary or from the wrong place is an O(1) error.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -21,17 +22,24 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import parallelize_module
 
-from haloshard import HaloError, varlen_conv
+from haloshard import HaloError, HaloShard, annotate, halo_plan, packed, varlen_conv
+from haloshard._varlen import active_boundaries
 from haloshard.testing import (
+    CausalConv3d,
     assert_close_per_rank,
     rank_map,
     seeded_randn,
     shard,
+    sharded,
     simulated_mesh,
     single_device,
     sum_over_ranks,
+    unhooked,
     worker_mesh,
 )
 
@@ -241,6 +249,63 @@ def test_cu_seqlens_tensor_simulated() -> None:
         assert_close_per_rank(y, lambda r: shard(ref, 2, 2, r), mesh)
 
 
+# ---------------------------------------------------------------- through the hooks
+def _model(seed: int) -> nn.Module:
+    """Convs along L=dim 2 of `(B, 4, L, 3)`: centred dense, a depthwise 'same' even kernel
+    in replicate mode, a dilated reflect conv, and a kernel-1 conv."""
+    model = nn.Sequential(
+        nn.Conv2d(4, 4, 3, padding=1), nn.SiLU(),
+        nn.Conv2d(4, 4, (4, 1), padding="same", padding_mode="replicate", groups=4),
+        nn.Conv2d(4, 4, (3, 3), padding=(2, 1), dilation=(2, 1), padding_mode="reflect"),
+        nn.Conv2d(4, 2, 1),
+    ).double()
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(seeded_randn(tuple(p.shape), seed + i))
+    return model
+
+
+def case_packed_model(mesh: DeviceMesh, cu: tuple[int, ...], seed: int) -> None:
+    """`with packed(cu): model(x)` on a Shard(2) DTensor against the model run on each
+    document alone; then a wrapper with an explicit spec refuses the boundaries."""
+    world = mesh.size()
+    with single_device():
+        model = _model(seed)
+        full = seeded_randn((1, 4, cu[-1], 3), seed + 10)
+        twin = unhooked(model)
+        xr = full.clone().requires_grad_()
+        y_ref = torch.cat([twin(xr.narrow(2, s, e - s))
+                           for s, e in itertools.pairwise(cu) if e > s], 2)
+        gy = seeded_randn(y_ref.shape, seed + 11)
+        (y_ref * gy).sum().backward()
+    parallelize_module(model, mesh, halo_plan(model, include_convs=True))
+    x, local = sharded(mesh, full)
+    with packed(list(cu)):
+        y = model(x)
+    assert active_boundaries() is None
+    assert isinstance(y, DTensor) and y.placements == (Shard(2),) and y.shape == y_ref.shape
+    assert_close_per_rank(y.to_local(), lambda r: shard(y_ref.detach(), 2, world, r), mesh,
+                          **TOL)
+    (y.to_local() * rank_map(mesh, lambda r: shard(gy, 2, world, r))).sum().backward()
+    assert_close_per_rank(local.grad, lambda r: shard(xr.grad, 2, world, r), mesh, **TOL)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(sum_over_ranks(p.grad, mesh), q.grad, **TOL)
+    with single_device():
+        wrapper = annotate(CausalConv3d(1), HaloShard(2, left=2, pad="replicate")).double()
+    parallelize_module(wrapper, mesh, halo_plan(wrapper))
+    video, _ = sharded(mesh, seeded_randn((1, 1, cu[-1], 3, 3), seed))
+    with pytest.raises(HaloError, match="CausalConv3d would mix documents"), packed(cu):
+        wrapper(video)
+    assert wrapper(video).shape == video.shape  # outside the context: one sequence
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("world", "cu"), [(3, (0, 3, 6, 10)), (4, (0, 3, 7))])
+def test_packed_model_simulated(world: int, cu: tuple[int, ...]) -> None:
+    with simulated_mesh(world) as mesh:
+        case_packed_model(mesh, cu, 30)
+
+
 # ---------------------------------------------------------------- gloo processes
 GLOO_CASES = [
     Case((0, 3, 4, 9), 4, "zeros", depthwise=True, seed=5),
@@ -256,6 +321,7 @@ def run_gloo(cases: list[tuple[Any, ...]]) -> str:
     mesh = worker_mesh(dist.get_world_size())
     for fields in cases:
         case_varlen(mesh, Case(*fields))
+    case_packed_model(mesh, (0, 3, 9), 40)
     rank = dist.get_rank()
     x = torch.ones(1, 1, 3 if rank < 9 % dist.get_world_size() else 2, dtype=torch.float64)
     try:

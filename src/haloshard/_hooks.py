@@ -61,6 +61,7 @@ from haloshard._specs import (
     plan_windows,
     stencil_of_spec,
 )
+from haloshard._varlen import active_boundaries, varlen_conv
 
 _ANNOTATION = "_haloshard_annotation"
 _HANDLE = "_haloshard_handle"
@@ -324,6 +325,8 @@ class _HaloForward:
             raise HaloError("ConvTranspose with output_size= is not supported under a halo "
                             "(it would size each rank's local output); expected no output_size")
         site = _site(x, annotation.dim, self.mesh)
+        if active_boundaries() is not None:  # haloshard.packed: one conv per document
+            return _packed_conv(self, site)
         plan = plan_windows(annotation.stencil, site.length, site.mesh.size(site.axis),
                             uniform=enabled_local_tensor_mode() is not None)
         if self.overlap and _overlappable(self.module, annotation, plan):
@@ -640,3 +643,30 @@ class _NoPadAlong(TorchFunctionMode):
                     "spec to match its own padding")
             widths[k] = widths[k + 1] = 0
         return (x, widths, *args[2:]), kwargs
+
+
+# ---------------------------------------------------------------- packed sequences
+def _packed_conv(forward: _HaloForward, site: _Site) -> Any:
+    """Under `haloshard.packed`: a plain conv runs `varlen_conv` on its input chunk, with
+    the module's own (saved) padding, so no halo crosses a document boundary. Any other
+    halo layer would mix documents: it raises."""
+    module, dim = forward.module, forward.annotation.dim
+    # known_forward() sees the halo forward now attached: ask about the class instead.
+    own = forward.previous is None and any(
+        type(module).forward is conv.forward for conv in _CONVS)
+    if not (forward.annotation.spec is None and isinstance(module, _CONVS) and own):
+        raise HaloError(
+            f"under haloshard.packed only plain nn.Conv1d/2d/3d halo layers (torch's own "
+            f"forward, no explicit spec) run per document; {type(module).__name__} would "
+            "mix documents across their boundaries: expected it outside the packed context")
+    y = varlen_conv(site.local, module.weight, module.bias, dim=dim,
+                    cu_seqlens=active_boundaries(), group=(site.mesh, site.axis),
+                    padding=forward.saved["padding"], pad=module.padding_mode,
+                    stride=module.stride, dilation=module.dilation, groups=module.groups,
+                    global_length=site.length)
+    if site.placements is None:
+        return y
+    shape = _global_shape(y, site, dim, site.length)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(y, site.mesh, site.placements, run_check=False, shape=shape,
+                              stride=stride)
