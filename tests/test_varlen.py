@@ -337,3 +337,36 @@ def run_gloo(cases: list[tuple[Any, ...]]) -> str:
 def test_gloo(gloo: Callable[[int], Any], world: int) -> None:
     for message in gloo(world).run(run_gloo, [tuple(c) for c in GLOO_CASES]):
         assert "ranks disagree on cu_seqlens" in message
+
+
+def compiled_varlen(fields: tuple[Any, ...]) -> None:
+    """Inside a worker: `varlen_conv` under torch.compile(fullgraph=True, aot_eager) against
+    eager, forward and every gradient (the same kernels: exact up to TOL)."""
+    torch._dynamo.reset()
+    case, mesh = Case(*fields), worker_mesh(dist.get_world_size())
+    world, rank = dist.get_world_size(), dist.get_rank()
+    full, w, b = _tensors(case)
+
+    def step(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        left, right = case.lr
+        return varlen_conv(x, w, b, dim=2, cu_seqlens=list(case.cu), group=mesh, left=left,
+                           right=right, pad=case.pad, dilation=case.dilation,
+                           groups=x.shape[1] if case.depthwise else 1,
+                           global_length=case.cu[-1])
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        x = shard(full, 2, world, rank).clone().requires_grad_()
+        wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
+        y = fn(x, wl, bl)
+        (y * seeded_randn(y.shape, case.seed + 3)).sum().backward()
+        results.append((y, x.grad, wl.grad, bl.grad))
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, **TOL)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", [Case((0, 3, 4, 9), 4, "zeros", depthwise=True, seed=9),
+                                  Case((0, 5, 9), 3, "circular", causal=False, seed=10)])
+def test_compiled_gloo(gloo: Callable[[int], Any], case: Case) -> None:
+    gloo(2).run(compiled_varlen, tuple(case), timeout=300)
