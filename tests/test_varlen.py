@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from haloshard import HaloError, HaloShard, annotate, halo_plan, packed, varlen_conv
+from haloshard import HaloError, HaloParallel, HaloShard, annotate, halo_plan, packed, varlen_conv
 from haloshard._varlen import active_boundaries
 from haloshard.testing import (
     CausalConv3d,
@@ -253,50 +253,59 @@ def test_cu_seqlens_tensor_simulated() -> None:
 def _model(seed: int) -> nn.Module:
     """Convs along L=dim 2 of `(B, 4, L, 3)`: centred dense, a depthwise 'same' even kernel
     in replicate mode, a dilated reflect conv, and a kernel-1 conv."""
-    model = nn.Sequential(
+    return nn.Sequential(
         nn.Conv2d(4, 4, 3, padding=1), nn.SiLU(),
         nn.Conv2d(4, 4, (4, 1), padding="same", padding_mode="replicate", groups=4),
         nn.Conv2d(4, 4, (3, 3), padding=(2, 1), dilation=(2, 1), padding_mode="reflect"),
         nn.Conv2d(4, 2, 1),
     ).double()
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            p.copy_(seeded_randn(tuple(p.shape), seed + i))
-    return model
 
 
 def case_packed_model(mesh: DeviceMesh, cu: tuple[int, ...], seed: int) -> None:
     """`with packed(cu): model(x)` on a Shard(2) DTensor against the model run on each
-    document alone; then a wrapper with an explicit spec refuses the boundaries."""
-    world = mesh.size()
+    document alone: a model of plain convs, and a causal wrapper (F.pad + conv) annotated
+    with its spec; then a halo layer that cannot honour boundaries refuses them."""
     with single_device():
         model = _model(seed)
         full = seeded_randn((1, 4, cu[-1], 3), seed + 10)
-        twin = unhooked(model)
+    check_packed(mesh, model, full, cu, seed)
+    x, _ = sharded(mesh, full)
+    with single_device():
+        wrapper = annotate(CausalConv3d(2), HaloShard(2, left=2, pad="replicate")).double()
+        pool = nn.MaxPool2d((3, 1), 1, (1, 0))
+    check_packed(mesh, wrapper, seeded_randn((1, 2, cu[-1], 3, 3), seed + 20), cu, seed)
+    parallelize_module(pool, mesh, HaloParallel())
+    with pytest.raises(HaloError, match="MaxPool2d would mix documents"), packed(cu):
+        pool(x)
+    assert pool(x).shape == x.shape  # outside the context: one sequence
+
+
+def check_packed(mesh: DeviceMesh, module: nn.Module, full: torch.Tensor,
+                 cu: tuple[int, ...], seed: int) -> None:
+    """`module` (seeded here, parallelized, run under `packed(cu)`) against its twin run on
+    each document alone: forward, input and parameter gradients."""
+    world = mesh.size()
+    with single_device():
+        for i, p in enumerate(module.parameters()):
+            p.data.copy_(seeded_randn(tuple(p.shape), seed + i))
+        twin = unhooked(module)
         xr = full.clone().requires_grad_()
         y_ref = torch.cat([twin(xr.narrow(2, s, e - s))
                            for s, e in itertools.pairwise(cu) if e > s], 2)
         gy = seeded_randn(y_ref.shape, seed + 11)
         (y_ref * gy).sum().backward()
-    parallelize_module(model, mesh, halo_plan(model, include_convs=True))
+    parallelize_module(module, mesh, halo_plan(module, include_convs=True))
     x, local = sharded(mesh, full)
     with packed(list(cu)):
-        y = model(x)
+        y = module(x)
     assert active_boundaries() is None
     assert isinstance(y, DTensor) and y.placements == (Shard(2),) and y.shape == y_ref.shape
     assert_close_per_rank(y.to_local(), lambda r: shard(y_ref.detach(), 2, world, r), mesh,
                           **TOL)
     (y.to_local() * rank_map(mesh, lambda r: shard(gy, 2, world, r))).sum().backward()
     assert_close_per_rank(local.grad, lambda r: shard(xr.grad, 2, world, r), mesh, **TOL)
-    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+    for p, q in zip(module.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(sum_over_ranks(p.grad, mesh), q.grad, **TOL)
-    with single_device():
-        wrapper = annotate(CausalConv3d(1), HaloShard(2, left=2, pad="replicate")).double()
-    parallelize_module(wrapper, mesh, halo_plan(wrapper))
-    video, _ = sharded(mesh, seeded_randn((1, 1, cu[-1], 3, 3), seed))
-    with pytest.raises(HaloError, match="CausalConv3d would mix documents"), packed(cu):
-        wrapper(video)
-    assert wrapper(video).shape == video.shape  # outside the context: one sequence
 
 
 @pytest.mark.simulated
