@@ -57,7 +57,9 @@ def packed(cu_seqlens: Sequence[int] | torch.Tensor) -> Iterator[tuple[int, ...]
     `varlen_conv` with these global boundaries instead of one conv over the whole sequence.
 
     Plain `nn.Conv1d/2d/3d` halo layers (torch's own forward, stride 1 along the sharded
-    dim, length kept) are supported; any other halo layer raises `HaloError` naming it.
+    dim, length kept) and causal wrappers annotated with an explicit `HaloShard` (`F.pad`
+    of the dim, then one conv) are supported; any other halo layer raises `HaloError`
+    naming it.
 
     Args:
         cu_seqlens: global document boundaries `[0, l0, l0 + l1, ..., total]`, the same on
@@ -65,7 +67,7 @@ def packed(cu_seqlens: Sequence[int] | torch.Tensor) -> Iterator[tuple[int, ...]
 
     Example::
         >>> with haloshard.packed([0, 5, 12, 16]):
-        ...     y = model(x)  # x: Shard(1) chunk of (1, 16, C) or DTensor
+        ...     y = model(x)  # x: a Shard(2) DTensor of (1, C, 16)
     """
     cu = _as_tuple(cu_seqlens)
     previous, _ACTIVE.value = _ACTIVE.value, cu
