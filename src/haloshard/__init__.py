@@ -25,6 +25,7 @@ from haloshard._norms import group_norm
 from haloshard._redistribute import redistribute
 from haloshard._specs import ConvStencil, ResampleStencil, TransposeStencil
 from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
+from haloshard._varlen import packed, varlen_conv
 
 __all__ = [
     # layout
@@ -59,6 +60,9 @@ __all__ = [
     "group_norm",
     "attention",
     "gather_along",
+    # packed variable-length sequences
+    "varlen_conv",
+    "packed",
     # errors and bounded failures
     "HaloError",
     "set_timeout",
