@@ -1,8 +1,9 @@
 """haloshard: halo layouts and differentiable neighbour exchange for context parallelism.
 
-Importing the package initialises no process group and no device. It does register guards
-for DTensors that carry a `HaloShard` placement (`haloshard._dtensor_ops`): DTensor's own
-redistribute and op dispatch would otherwise mishandle that placement silently.
+Importing the package initialises no process group and no device, and changes nothing in
+torch. Building the first `HaloShard` placement registers guards for DTensors that carry one
+(`haloshard._dtensor_ops`): DTensor's own redistribute and op dispatch would otherwise
+mishandle that placement silently.
 """
 
 from haloshard._attention import attention, gather_along
@@ -25,6 +26,7 @@ from haloshard._norms import group_norm
 from haloshard._redistribute import redistribute
 from haloshard._specs import ConvStencil, ResampleStencil, TransposeStencil
 from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
+from haloshard._varlen import packed, varlen_conv
 from haloshard._verify import PlanReport, verify_plan
 
 __all__ = [
@@ -61,6 +63,9 @@ __all__ = [
     "attention",
     "frame_attention",
     "gather_along",
+    # packed variable-length sequences
+    "varlen_conv",
+    "packed",
     # checking a plan against one device
     "verify_plan",
     "PlanReport",

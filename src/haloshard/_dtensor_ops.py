@@ -30,17 +30,18 @@ Supported on a `HaloShard` DTensor:
   propagation by argument types, not scalar values, so ops whose effect on zero depends on a
   scalar (`x * c`, `x / c`, `add(alpha=)`) are also judged on every call by a handler.
 - `to_local()`, differentiably (torch's own backward cannot rebuild a custom placement).
+- detach and alias.
 
 Wherever a `HaloShard` DTensor enters (redistribute, `to_local`, convolution, scalar ops) its
 local length is checked against the placement: `DTensor.from_local` checks nothing.
-- detach and alias.
 
 Gradients of a `HaloShard` DTensor carry the same placement and hold d(loss)/d(local
 tensor), halos included; see `haloshard._redistribute`.
 
 Installing only adds dict entries and wraps two Python attributes of torch's DTensor
-dispatcher: no process group, no device. It runs when this module is imported, so any
-`HaloShard` DTensor built after `import haloshard` is guarded, however it was built.
+dispatcher: no process group, no device. It runs when the first `HaloShard` placement is
+built (a `HaloShard` DTensor needs one), so a program that never builds one runs torch
+unchanged after `import haloshard`.
 """
 
 from __future__ import annotations
@@ -413,7 +414,7 @@ def install() -> None:
     Idempotent. Chains to the handlers already installed for non-halo inputs.
 
     Example::
-        >>> install()  # done by `import haloshard`
+        >>> install()  # done when the first HaloShard is built
         >>> F.conv1d(x, w).placements  # x: HaloShard(2, 1, 1) DTensor, w replicated
         (Shard(dim=2),)
     """
@@ -451,6 +452,3 @@ def uninstall() -> None:
     DTensor.redistribute = _installed["redistribute"]  # type: ignore[method-assign]
     _installed.clear()
     _clear_sharding_prop_cache()
-
-
-install()

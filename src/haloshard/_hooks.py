@@ -61,6 +61,7 @@ from haloshard._specs import (
     plan_windows,
     stencil_of_spec,
 )
+from haloshard._varlen import active_boundaries, varlen_conv
 
 _ANNOTATION = "_haloshard_annotation"
 _HANDLE = "_haloshard_handle"
@@ -324,6 +325,8 @@ class _HaloForward:
             raise HaloError("ConvTranspose with output_size= is not supported under a halo "
                             "(it would size each rank's local output); expected no output_size")
         site = _site(x, annotation.dim, self.mesh)
+        if active_boundaries() is not None:  # haloshard.packed: one conv per document
+            return _packed_conv(self, site)
         plan = plan_windows(annotation.stencil, site.length, site.mesh.size(site.axis),
                             uniform=enabled_local_tensor_mode() is not None)
         if self.overlap and _overlappable(self.module, annotation, plan):
@@ -640,3 +643,88 @@ class _NoPadAlong(TorchFunctionMode):
                     "spec to match its own padding")
             widths[k] = widths[k + 1] = 0
         return (x, widths, *args[2:]), kwargs
+
+
+# ---------------------------------------------------------------- packed sequences
+def _packed_conv(forward: _HaloForward, site: _Site) -> Any:
+    """Under `haloshard.packed`: a plain conv runs `varlen_conv` on its input chunk, with
+    the module's own (saved) padding, so no halo crosses a document boundary. Any other
+    halo layer would mix documents: it raises."""
+    module, dim = forward.module, forward.annotation.dim
+    spec = forward.annotation.spec
+    if spec is not None and not isinstance(module, DERIVABLE):
+        return _rewrap(_packed_wrapper(forward, site, spec), site, dim)
+    # known_forward() sees the halo forward now attached: ask about the class instead.
+    own = forward.previous is None and any(
+        type(module).forward is conv.forward for conv in _CONVS)
+    if not (forward.annotation.spec is None and isinstance(module, _CONVS) and own):
+        raise HaloError(
+            f"under haloshard.packed only plain nn.Conv1d/2d/3d halo layers (torch's own "
+            f"forward, no explicit spec) run per document; {type(module).__name__} would "
+            "mix documents across their boundaries: expected it outside the packed context")
+    y = varlen_conv(site.local, module.weight, module.bias, dim=dim,
+                    cu_seqlens=active_boundaries(), group=(site.mesh, site.axis),
+                    padding=forward.saved["padding"], pad=module.padding_mode,
+                    stride=module.stride, dilation=module.dilation, groups=module.groups,
+                    global_length=site.length)
+    return _rewrap(y, site, dim)
+
+
+def _rewrap(y: torch.Tensor, site: _Site, dim: int) -> Any:
+    """A `Shard(dim)` DTensor on the input's mesh for DTensor input (same length)."""
+    if site.placements is None:
+        return y
+    shape = _global_shape(y, site, dim, site.length)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(y, site.mesh, site.placements, run_check=False, shape=shape,
+                              stride=stride)
+
+
+def _packed_wrapper(forward: _HaloForward, site: _Site, spec: HaloShard) -> torch.Tensor:
+    """A causal wrapper (explicit spec: `F.pad` of dim by the spec, then one conv with no
+    padding along dim) run on the chunk: its `F.pad` is dropped and its conv replaced by
+    `varlen_conv` with the spec's padding, per document."""
+    convs = _PackedConvs(spec, active_boundaries(), site)
+    token = _INSIDE.set(True)
+    try:
+        with _NoPadAlong(spec.dim, spec, site.local), convs:
+            y = forward.original(site.local)
+    finally:
+        _INSIDE.reset(token)
+    if convs.count != 1:
+        raise HaloError(f"under haloshard.packed a module with an explicit spec must call "
+                        f"exactly one conv along dim {spec.dim} (a causal wrapper), "
+                        f"{type(forward.module).__name__} called {convs.count}")
+    return y
+
+
+class _PackedConvs(TorchFunctionMode):
+    """Replaces a wrapper's conv call by `varlen_conv` with the spec's padding along dim;
+    the conv's own padding of the other dims (zeros) is applied first."""
+
+    def __init__(self, spec: HaloShard, cu: Any, site: _Site) -> None:
+        super().__init__()
+        self.spec, self.cu, self.site, self.count = spec, cu, site, 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func not in _CONV_FNS:
+            return func(*args, **kwargs)
+        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+        call = {**dict(zip(names, args, strict=False)), **kwargs}
+        x, weight, dim = call["input"], call["weight"], self.spec.dim
+        n = weight.ndim - 2
+        padding = call.get("padding", 0)
+        pairs = [padding] * n if isinstance(padding, int) else list(padding)
+        if isinstance(padding, str) or len(pairs) != n or pairs[dim - 2]:
+            raise HaloError(f"under haloshard.packed the wrapped conv must have no padding "
+                            f"along dim {dim} (the spec pads it), got padding={padding!r}")
+        if any(pairs):
+            x = F.pad(x, [w for p in reversed(pairs) for w in (p, p)])
+        self.count += 1
+        return varlen_conv(x, weight, call.get("bias"), dim=dim, cu_seqlens=self.cu,
+                           group=(self.site.mesh, self.site.axis), left=self.spec.left,
+                           right=self.spec.right, pad=self.spec.pad,
+                           stride=call.get("stride", 1), dilation=call.get("dilation", 1),
+                           groups=call.get("groups", 1), global_length=self.site.length)

@@ -133,6 +133,11 @@ class HaloShard(Placement):
                 raise HaloError(f"HaloShard {name} must be a non-negative int, got {value!r}")
         if self.pad not in PAD_MODES:
             raise HaloError(f"HaloShard pad must be one of {PAD_MODES}, got {self.pad!r}")
+        # DTensor mishandles a custom placement silently: guard it from the first one built.
+        # Not at import, so a program that never builds a HaloShard runs torch unchanged.
+        from haloshard import _dtensor_ops
+
+        _dtensor_ops.install()
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self.dim, self.left, self.right, self.pad))

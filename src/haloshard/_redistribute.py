@@ -394,9 +394,3 @@ def _rehalo(dt: DTensor, axis: int, new: HaloShard, transport: str | None) -> DT
     zero = local.new_zeros([1 if i == d else s for i, s in enumerate(local.shape)])
     source = torch.cat([local, recv, zero], d)
     return wrap(source.index_select(d, plan[1]), dt, dst)
-
-
-# Importing this module guards every HaloShard DTensor (see `_dtensor_ops`): the install is
-# a few dict entries and two attribute wraps, no process group, no device. Last, because
-# `_dtensor_ops` imports the names above.
-from haloshard import _dtensor_ops  # noqa: E402, F401
