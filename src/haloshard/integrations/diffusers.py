@@ -593,6 +593,88 @@ class MochiUpBlockParallel(ParallelStyle):
         return module
 
 
+# ---------------------------------------------------------------- LTX-Video
+def _ltx_causal_conv(module: nn.Module) -> ParallelStyle:
+    """LTX's conv: pads T with repeated edge frames (`torch.concatenate`): `k - 1` first
+    frames when causal, `(k - 1) // 2` first and last frames when not; any stride when
+    causal (the encoder's stride-2 downsampler)."""
+    k, stride = module.kernel_size[0], module.conv.stride[0]
+    if module.conv.dilation[0] != 1 or (stride != 1 and not module.is_causal):
+        raise HaloError(f"an LTXVideoCausalConv3d with stride {stride} and dilation "
+                        f"{module.conv.dilation[0]} along T (causal={module.is_causal}) is "
+                        "not planned; expected dilation 1, and stride 1 unless causal")
+    if module.is_causal:
+        return CausalConvParallel(pad="replicate")
+    return HaloParallel(HaloShard(2, left=(k - 1) // 2, right=(k - 1) // 2, pad="replicate"))
+
+
+@dataclass(frozen=True)
+class ConvDepthToSpaceStencil:
+    """A conv along T (`before` frames of history, `after` of future, its own replicate
+    padding at the window's edges), then depth-to-space along T by `factor`, then the
+    first `factor - 1` frames dropped: output length `T * factor - (factor - 1)`.
+
+    Output frame i is frame `i + factor - 1` of the depth-to-space, which comes from conv
+    output `(i + factor - 1) // factor`; the window adds the conv's reach on each side so
+    that no kept output reads the window's own padding (LTX's upsampler).
+
+    Example::
+        >>> ConvDepthToSpaceStencil(2, 1, 1).window(3, 6)  # conv outputs 2..3 read 1..4
+        (1, 5, 1)
+    """
+
+    factor: int
+    before: int
+    after: int
+    # beyond the global end the window holds copies of the last frame: the conv's own
+    # replicate padding there
+    pad: PadMode = "replicate"
+    fill: float | None = None
+    min_input: int = 1
+
+    def out_length(self, length: int) -> int:
+        return 0 if length <= 0 else length * self.factor - (self.factor - 1)
+
+    def window(self, start: int, stop: int) -> tuple[int, int, int]:
+        f, drop = self.factor, self.factor - 1
+        first, last = (start + drop) // f, (stop - 1 + drop) // f
+        i0 = max(0, first - self.before)
+        return i0, last + 1 + self.after, start - i0 * f
+
+
+class LTXUpsamplerParallel(ParallelStyle):
+    """`LTXVideoUpsampler3d` on `Shard(T)`, exact: its conv (causal or centred), then
+    depth-to-space by its temporal stride, then the first `stride - 1` frames dropped,
+    run unedited on a window of its input (`ConvDepthToSpaceStencil`).
+
+    Raises:
+        HaloError: in `_apply` for another class or a conv that is not stride 1 along T.
+    """
+
+    def __init__(self, *, dim: int = 2) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"LTXUpsamplerParallel(dim={self.dim})"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_class(module, "LTXVideoUpsampler3d", "LTXUpsamplerParallel")
+        if module.residual or module.upscale_factor != 1:
+            raise HaloError(f"LTXUpsamplerParallel is verified for residual=False, "
+                            f"upscale_factor=1 (LTX-Video 0.9.0), got residual="
+                            f"{module.residual}, upscale_factor={module.upscale_factor}")
+        conv = module.conv
+        k, stride = conv.kernel_size[0], conv.conv.stride[0]
+        if stride != 1 or conv.conv.dilation[0] != 1:
+            raise HaloError(f"LTXUpsamplerParallel expects its conv to have stride and "
+                            f"dilation 1 along T, got {stride}, {conv.conv.dilation[0]}")
+        before, after = (k - 1, 0) if conv.is_causal else ((k - 1) // 2, (k - 1) // 2)
+        stencil = ConvDepthToSpaceStencil(module.stride[0], before, after)
+        attach(module, Annotation(None, self.dim, stencil), device_mesh)
+        return module
+
+
 # ---------------------------------------------------------------- plans
 # class name -> (style for it, whether the style covers the module's children too: all of
 # them, or the named ones)
@@ -658,7 +740,17 @@ _MOCHI: dict[str, _Rule] = {
     "Conv3d": (lambda m: _pointwise(m), True),  # the decoder's 1x1 conv_in
 }
 
+_LTX: dict[str, _Rule] = {
+    "LTXVideoCausalConv3d": (_ltx_causal_conv, True),
+    "LTXVideoUpsampler3d": (lambda m: LTXUpsamplerParallel(), True),
+    "RMSNorm": (lambda m: FramewiseParallel(dim=1), True),  # channels-last, per token
+    "LayerNorm": (lambda m: FramewiseParallel(dim=1), True),
+}
+
 _PLANS: dict[str, dict[str, _Rule]] = {
+    "AutoencoderKLLTXVideo": _LTX,
+    "LTXVideoEncoder3d": _LTX,
+    "LTXVideoDecoder3d": _LTX,
     "AutoencoderKLMochi": _MOCHI,
     "MochiEncoder3D": _MOCHI,
     "MochiDecoder3D": _MOCHI,
