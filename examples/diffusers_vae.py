@@ -1,13 +1,16 @@
 """A diffusers video VAE encoding and decoding a clip with T sharded over gloo ranks.
 
-A tiny random-init `AutoencoderKLHunyuanVideo` (the real configuration: causal convs,
-GroupNorm, block-causal mid-block attention, temporal down- and upsampling; fewer channels)
-is parallelized with `haloshard.integrations.diffusers.plan_for` and run on P processes. Each
+A tiny random-init video VAE of diffusers 0.42.1 (`--model hunyuan`, `cogvideox`, `mochi`,
+`ltx`: the real configuration, causal convs, norms, attention, temporal down- and
+upsampling; fewer channels) is parallelized with
+`haloshard.integrations.diffusers.plan_for` and run on P processes. Each
 rank also runs the single-device model and prints the largest difference of its shard, and
 the activation bytes autograd keeps for a backward through encode + decode (the training
 peak) against one device:
 
     python examples/diffusers_vae.py --model hunyuan --ranks 4
+
+(LTX's difference is about 1e-7: diffusers' RMSNorm computes in float32.)
 """
 
 from __future__ import annotations
@@ -28,24 +31,61 @@ from haloshard.integrations.diffusers import plan_for
 from haloshard.testing import GlooWorld, shard, worker_mesh
 
 
-def hunyuan(channels: int) -> tuple[nn.Module, int]:
+def hunyuan(channels: int) -> nn.Module:
     from diffusers import AutoencoderKLHunyuanVideo
 
-    vae = AutoencoderKLHunyuanVideo(
+    return AutoencoderKLHunyuanVideo(
         latent_channels=4, block_out_channels=(channels,) * 3, layers_per_block=1,
         down_block_types=("HunyuanVideoDownBlock3D",) * 3,
         up_block_types=("HunyuanVideoUpBlock3D",) * 3, norm_num_groups=4,
         spatial_compression_ratio=4, temporal_compression_ratio=4)
-    return vae, 4
 
 
-MODELS: dict[str, Callable[[int], tuple[nn.Module, int]]] = {"hunyuan": hunyuan}
+def cogvideox(channels: int) -> nn.Module:
+    from diffusers import AutoencoderKLCogVideoX
+
+    return AutoencoderKLCogVideoX(
+        latent_channels=4, block_out_channels=(channels,) * 3, layers_per_block=1,
+        down_block_types=("CogVideoXDownBlock3D",) * 3,
+        up_block_types=("CogVideoXUpBlock3D",) * 3, norm_num_groups=4)
 
 
-def encode_decode(vae: nn.Module, x: torch.Tensor, latent: int) -> tuple[Any, Any]:
-    """The posterior mean of `vae.encode(x)` and its decoding, as the VAE computes them."""
-    z = vae.quant_conv(vae.encoder(x))[:, :latent]
-    return z, vae.decoder(vae.post_quant_conv(z))
+def mochi(channels: int) -> nn.Module:
+    from diffusers import AutoencoderKLMochi
+
+    width = max(32, channels // 32 * 32)  # its GroupNorm and attention heads need 32
+    return AutoencoderKLMochi(encoder_block_out_channels=(width,) * 4,
+                              decoder_block_out_channels=(width,) * 4, latent_channels=4,
+                              layers_per_block=(1,) * 5)
+
+
+def ltx(channels: int) -> nn.Module:
+    from diffusers import AutoencoderKLLTXVideo
+
+    return AutoencoderKLLTXVideo(
+        latent_channels=4, block_out_channels=(channels,) * 4,
+        decoder_block_out_channels=(channels,) * 4, layers_per_block=(1,) * 5,
+        decoder_layers_per_block=(1,) * 5)
+
+
+MODELS: dict[str, Callable[[int], nn.Module]] = {
+    "hunyuan": hunyuan, "cogvideox": cogvideox, "mochi": mochi, "ltx": ltx}
+LATENT = 4
+
+
+def _first(out: Any) -> Any:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def encode_decode(vae: nn.Module, x: torch.Tensor) -> tuple[Any, Any]:
+    """The posterior mean of `vae.encode(x)` and its decoding, as the VAE computes them
+    (without its frame batching, tiling and slicing)."""
+    h = _first(vae.encoder(x))
+    if getattr(vae, "quant_conv", None) is not None:
+        h = vae.quant_conv(h)
+    z = h[:, :LATENT]
+    post = getattr(vae, "post_quant_conv", None)
+    return z, _first(vae.decoder(post(z) if post is not None else z))
 
 
 @contextmanager
@@ -69,18 +109,17 @@ def on_rank(model: str, frames: int, size: int, channels: int) -> dict[str, floa
     mesh = worker_mesh(dist.get_world_size())
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    vae, latent = MODELS[model](channels)
-    vae = vae.double().eval()
+    vae = MODELS[model](channels).double().eval()
     x = torch.randn(1, 3, frames, size, size, generator=torch.Generator().manual_seed(1),
                     dtype=torch.float64)
     with saved_bytes() as single:
-        z_ref, y_ref = encode_decode(vae, x.requires_grad_(), latent)
+        z_ref, y_ref = encode_decode(vae, x.requires_grad_())
     sharded_vae = copy.deepcopy(vae)
     parallelize_module(sharded_vae, mesh, plan_for(sharded_vae))
     local = shard(x.detach(), 2, world, rank).requires_grad_()
     xs = DTensor.from_local(local, mesh, [Shard(2)], shape=x.shape, stride=x.stride())
     with saved_bytes() as mine:
-        z, y = encode_decode(sharded_vae, xs, latent)
+        z, y = encode_decode(sharded_vae, xs)
     diff = {name: (got.to_local() - shard(ref, 2, world, rank)).abs().amax().item()
             if got.to_local().numel() else 0.0
             for name, got, ref in (("latent", z, z_ref), ("video", y, y_ref))}

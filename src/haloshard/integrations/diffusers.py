@@ -2,9 +2,16 @@
 
 `plan_for(module)` returns the `parallelize_module` plan of a VAE, its encoder or its
 decoder, dispatching on the class. Supported (exact against one device, forward and
-backward, checked with `haloshard.verify_plan` in the tests):
+backward, odd and even T, uneven and empty shards; checked with `haloshard.verify_plan` in
+tests/test_diffusers.py):
 
-- `AutoencoderKLHunyuanVideo`: encoder and decoder, mid-block attention included.
+- `AutoencoderKLHunyuanVideo`: encoder and decoder, block-causal mid-block attention;
+- `AutoencoderKLCogVideoX`: encoder and decoder forward (the VAE's `encode`/`decode` batch
+  frames with a conv cache beyond 15 frames / 3 latent frames: not the same computation);
+- `AutoencoderKLMochi`: encoder and decoder, causal attention along T per pixel;
+- `AutoencoderKLLTXVideo`: the 0.9.0 configuration (no residual upsamplers, no timestep
+  conditioning: those raise `HaloError`).
+Not supported: `AutoencoderKLWan` (its `encode` is a chunk loop with a feature cache).
 
 Each plan covers every layer with parameters or a temporal extent, by class; a layer of a
 kind the plan does not know raises `HaloError` naming it by fqn, rather than being left to
@@ -19,6 +26,12 @@ DTensor's default dispatch. The styles that only these models need live here:
 - `HunyuanUpsampleParallel`: "keep the first frame, repeat the others `f` times, then a
   causal conv": the module runs on a window that starts early enough for the causal conv
   to see real frames (FirstFrameParallel's window gives it one input frame only).
+- `CogSpatialNormParallel`: CogVideoX's decoder norm conditioned on the latent, which it
+  resizes by the global T.
+- `MochiBlockParallel`, `MochiUpBlockParallel`: Mochi's blocks with causal attention along
+  T per pixel, and depth-to-space along T.
+- `LTXUpsamplerParallel`: a conv before depth-to-space along T, on windows with its reach.
+- `FramewiseParallel`: per-frame layers (Mochi's chunked GroupNorm, channels-last norms).
 
 diffusers is imported only when a function here is called.
 """
@@ -395,7 +408,8 @@ class CogSpatialNormParallel(ParallelStyle):
 
 
 # ---------------------------------------------------------------- Mochi
-def _local_forward_copy(cls: type, obj: Any, memo: dict[int, Any]) -> Any:
+def _local_forward_copy(obj: Any, memo: dict[int, Any]) -> Any:
+    """A deep copy of a forward object that shares its mesh (it names process groups)."""
     import copy
 
     new = copy.copy(obj)
@@ -415,7 +429,7 @@ class _MochiBlockForward:
         self.module, self.dim = module, dim
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _MochiBlockForward:
-        return _local_forward_copy(_MochiBlockForward, self, memo)
+        return _local_forward_copy(self, memo)
 
     def __call__(self, x: torch.Tensor, conv_cache: dict[str, Any] | None = None,
                  chunk_size: int = 2**15) -> tuple[DTensor, dict[str, Any]]:
@@ -556,7 +570,7 @@ class _MochiUpForward:
         self.module, self.expand = module, expand
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _MochiUpForward:
-        return _local_forward_copy(_MochiUpForward, self, memo)
+        return _local_forward_copy(self, memo)
 
     def __call__(self, x: torch.Tensor, conv_cache: dict[str, Any] | None = None
                  ) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -775,7 +789,8 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of a diffusers video VAE, encoder or decoder.
 
     Args:
-        module: `AutoencoderKLHunyuanVideo`, or its `.encoder` / `.decoder`.
+        module: `AutoencoderKLHunyuanVideo`, `AutoencoderKLCogVideoX`, `AutoencoderKLMochi`
+            or `AutoencoderKLLTXVideo`, or its `.encoder` / `.decoder`.
 
     Returns:
         `{fqn: style}` for every layer that needs one, relative to `module`.
