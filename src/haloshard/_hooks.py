@@ -63,6 +63,8 @@ from haloshard._specs import (
 )
 from haloshard._varlen import active_boundaries, varlen_conv
 
+# How a module runs on its window: `local(forward, window, *args, **kwargs) -> output`.
+LocalRun = Callable[..., Any]
 _ANNOTATION = "_haloshard_annotation"
 _HANDLE = "_haloshard_handle"
 # True while a halo module's forward runs: halo modules nested in it pass through.
@@ -247,7 +249,7 @@ def handle_of(module: nn.Module) -> HaloHandle | None:
 
 
 def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *,
-           overlap: bool = True) -> HaloHandle:
+           overlap: bool = True, local: LocalRun | None = None) -> HaloHandle:
     """Make `module` run on `Shard(dim)` inputs with its halo; see the module docstring.
 
     Args:
@@ -256,6 +258,8 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
         mesh: used for plain-tensor inputs (1-D); DTensor inputs bring their own mesh.
         overlap: run stride-1 convs that keep the length as `halo_conv`, which computes the
             interior while the halo is in flight.
+        local: how the module runs on its window, `local(forward, window, *args, **kwargs)`;
+            None calls `forward(window, *args, **kwargs)`.
 
     Raises:
         HaloError: when a halo is already attached to the module.
@@ -275,7 +279,7 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
                                   overlap=overlap and known,
                                   watch=(annotation.spec is None and not known
                                          and isinstance(module, DERIVABLE)),
-                                  name=module_name(module))
+                                  name=module_name(module), local=local)
     handle = HaloHandle(module, saved, previous)
     setattr(module, _HANDLE, handle)
     return handle
@@ -287,10 +291,11 @@ class _HaloForward:
 
     def __init__(self, module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None,
                  saved: dict[str, Any], previous: Callable[..., Any] | None, *,
-                 overlap: bool = True, watch: bool = False, name: str = "") -> None:
+                 overlap: bool = True, watch: bool = False, name: str = "",
+                 local: LocalRun | None = None) -> None:
         self.module, self.annotation, self.mesh = module, annotation, mesh
         self.saved, self.previous, self.overlap = saved, previous, overlap
-        self.watch, self.name = watch, name or type(module).__name__
+        self.watch, self.name, self.local = watch, name or type(module).__name__, local
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _HaloForward:
         # The mesh is shared, never copied: it names process groups.
@@ -336,7 +341,8 @@ class _HaloForward:
         token = _INSIDE.set(True)
         try:
             with _NoPadAlong(annotation.dim, annotation.spec, window, watch=self.watch):
-                y = self.original(window, *args, **kwargs)
+                y = (self.original(window, *args, **kwargs) if self.local is None
+                     else self.local(self.original, window, *args, **kwargs))
         finally:
             _INSIDE.reset(token)
         return _output(y, site, plan, annotation)

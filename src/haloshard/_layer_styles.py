@@ -50,6 +50,7 @@ from haloshard._hooks import (
     _INSIDE,
     Annotation,
     HaloHandle,
+    LocalRun,
     _dtensor_site,
     _global_shape,
     _HaloForward,
@@ -611,6 +612,10 @@ class FirstFrameParallel(ParallelStyle):
             frame 0 or every frame repeated (CogVideoX's `DownSample3D` / `Upsample3D`,
             factor 2); None (the default) raises `HaloError` at run time on an even T.
         dim: the sharded dim.
+        local: how the module runs on its window, `local(forward, window) -> output`, for
+            a module whose first-frame rule lives in a protocol of its own rather than in
+            one call (Wan's `WanResample` keeps the first frame only when called on it alone,
+            with a frame cache: see `haloshard.integrations.diffusers`); None: one call.
 
     Raises:
         HaloError: for factor < 1 or another direction; at run time for an even T with
@@ -623,10 +628,11 @@ class FirstFrameParallel(ParallelStyle):
     """
 
     def __init__(self, factor: int, direction: Literal["down", "up"], *,
-                 even: Literal["first", "all"] | None = None, dim: int = 2) -> None:
+                 even: Literal["first", "all"] | None = None, dim: int = 2,
+                 local: LocalRun | None = None) -> None:
         super().__init__()
         self.stencil = FirstFrameStencil(factor, direction, even=even)
-        self.dim = dim
+        self.dim, self.local = dim, local
 
     def __repr__(self) -> str:
         s = self.stencil
@@ -636,5 +642,6 @@ class FirstFrameParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_dim(module, self.dim, "FirstFrameParallel")
-        attach(module, Annotation(None, self.dim, self.stencil), device_mesh)
+        attach(module, Annotation(None, self.dim, self.stencil), device_mesh,
+               local=self.local)
         return module
