@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm
-from haloshard._attention import gather_along
+from haloshard._attention import gather_many
 from haloshard._errors import HaloError
 from haloshard._hooks import (
     _HANDLE,
@@ -302,8 +302,8 @@ class _TokenAttention(TorchFunctionMode):
         group, frames = (self.site.mesh, self.site.axis), self.site.length
         # Tokens gathered in frames of S, not as a (..., T_r, S, E) view: that reshape of a
         # per-rank length is not supported under LocalTensorMode.
-        k_all, v_all = (gather_along(t, t.ndim - 2, group, global_length=frames,
-                                     frame=self.frame) for t in (k, v))
+        k_all, v_all = gather_many((k, v), k.ndim - 2, group, global_length=frames,
+                                   frame=self.frame)
         if enabled_local_tensor_mode() is not None or q.shape[-2] == 0:
             # As in haloshard.attention: LocalTensorMode picks one SDPA kernel for all
             # simulated ranks, and the CPU flash kernel divides by zero on an idle rank.
