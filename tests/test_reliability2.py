@@ -123,10 +123,12 @@ CASES: dict[str, tuple[Callable[[DeviceMesh, int, str], None], str]] = {
     "attention_length_wrong_everywhere": (_attention_case, "do not match global_length=9"),
     "attention_length_wrong_on_one_rank": (_attention_case, "ranks disagree on global_length"),
     "attention_length_wrong_on_rank_0": (_attention_case, "ranks disagree on global_length"),
-    "attention_dtype_on_one_rank": (_attention_case, "ranks disagree on v dtype"),
+    "attention_dtype_on_one_rank": (
+        _attention_case, r"ranks disagree on v dtype: \['torch.float32', 'torch.float64'\]"),
     "group_norm_channels": (_norm_case, r"ranks disagree on channels: \[8, 16\]"),
     "group_norm_groups": (_norm_case, r"ranks disagree on num_groups: \[4, 2\]"),
-    "group_norm_dtype": (_norm_case, "ranks disagree on dtype"),
+    "group_norm_dtype": (
+        _norm_case, r"ranks disagree on dtype: \['torch.float32', 'torch.float64'\]"),
     "group_norm_indivisible": (_norm_case, r"C divisible by num_groups=3|rank\(s\) \[1\] "),
     "reduce_grads_frozen": (_grads_case, "disagree on the parameters that require grad"),
     "reduce_grads_dtype": (_grads_case, "disagree on the parameters that require grad"),
@@ -134,7 +136,8 @@ CASES: dict[str, tuple[Callable[[DeviceMesh, int, str], None], str]] = {
     "halo_too_large": (_exchange_case, "too large|rank\\(s\\) \\[1\\] "),
     "meta_tensor": (_exchange_case, "meta tensor|rank\\(s\\) \\[1\\] "),
     "sparse_tensor": (_exchange_case, "dense \\(strided\\)|rank\\(s\\) \\[1\\] "),
-    "unlisted_dtypes": (_exchange_case, "ranks disagree on dtype"),
+    "unlisted_dtypes": (
+        _exchange_case, r"ranks disagree on dtype: \['torch.float8_e4m3fn', 'torch.float8_e5m2'"),
 }
 
 

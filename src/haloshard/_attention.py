@@ -23,6 +23,7 @@ from haloshard._exchange import (
     _dtype_code,
     _length_problem,
     _tensor_problem,
+    shown,
 )
 from haloshard._layout import shard_sizes
 
@@ -87,7 +88,8 @@ def _check_rows(rows: list[list[int]], own: str | None, names: tuple[str, ...]) 
     for i, field in enumerate(fields, start=1):
         values = [row[i] for row in rows]
         if i not in length_at and len(set(values)) > 1:
-            raise HaloError(f"ranks disagree on {field}: {values} (rank by rank); every rank "
+            raise HaloError(f"ranks disagree on {field}: {shown(field, values)} (rank by rank); "
+                            "every rank "
                             "must pass the same arguments and tensors that differ only in the "
                             "length of the gathered dim")
     global_length, frame = rows[0][1], rows[0][2]

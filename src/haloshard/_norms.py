@@ -19,7 +19,7 @@ from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from haloshard import _comm
 from haloshard._comm import GroupLike
 from haloshard._errors import HaloError
-from haloshard._exchange import _dtype_code, _tensor_problem
+from haloshard._exchange import _dtype_code, _tensor_problem, shown
 
 # The statistics all-gather has a fixed-size first block: a metadata row, then as many
 # statistics as fit. Every rank sends the same number of values whatever its arguments, so a
@@ -72,8 +72,9 @@ def _check_meta(rows: list[list[float]], own: str | None) -> None:
     for i, field in enumerate(_META):
         values = [row[i] for row in rows]
         if len(set(values)) > 1:
-            shown = [int(v) if field != "eps" else v for v in values]
-            raise HaloError(f"group_norm: ranks disagree on {field}: {shown} (rank by rank); "
+            ints = [int(v) if field != "eps" else v for v in values]
+            raise HaloError(f"group_norm: ranks disagree on {field}: {shown(field, ints)} "
+                            "(rank by rank); "
                             "every rank must pass the same num_groups, eps, affine "
                             "parameters and tensors that differ only in the sharded dim")
 
