@@ -62,7 +62,7 @@ def _outcome(fn: Callable[[], object]) -> tuple[str, float]:
 def _attention_case(mesh: DeviceMesh, rank: int, case: str) -> None:
     full = torch.randn(1, 2, 7, 4, generator=torch.Generator().manual_seed(0))
     q = shard(full, 2, 2, rank)
-    k, v, length = q, q, 7
+    k, v, length, dim = q, q, 7, 2
     if case == "attention_length_wrong_everywhere":
         length = 9
     elif case == "attention_length_wrong_on_one_rank" and rank == 1:
@@ -71,7 +71,9 @@ def _attention_case(mesh: DeviceMesh, rank: int, case: str) -> None:
         length = 8 if rank == 0 else 7  # rank 0 holds 4 in both splits: only the row tells
     elif case == "attention_dtype_on_one_rank" and rank == 1:
         v = v.double()
-    attention(q, k, v, mesh, global_length=length)
+    elif case == "attention_dim_on_one_rank" and rank == 1:
+        dim = 3
+    attention(q, k, v, mesh, global_length=length, dim=dim)
 
 
 def _norm_case(mesh: DeviceMesh, rank: int, case: str) -> None:
@@ -125,6 +127,7 @@ CASES: dict[str, tuple[Callable[[DeviceMesh, int, str], None], str]] = {
     "attention_length_wrong_on_rank_0": (_attention_case, "ranks disagree on global_length"),
     "attention_dtype_on_one_rank": (
         _attention_case, r"ranks disagree on v dtype: \['torch.float32', 'torch.float64'\]"),
+    "attention_dim_on_one_rank": (_attention_case, r"token dim to be dim 2|rank\(s\) \[1\] "),
     "group_norm_channels": (_norm_case, r"ranks disagree on channels: \[8, 16\]"),
     "group_norm_groups": (_norm_case, r"ranks disagree on num_groups: \[4, 2\]"),
     "group_norm_dtype": (
@@ -308,6 +311,8 @@ def test_zero_halo_guard_in_any_order(first: str) -> None:
                     lambda t: t.mul_(float("inf"))):
             with pytest.raises(HaloError, match="zero halo"):
                 bad(h)
+        with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+            h * torch.ones(3, dtype=h.dtype)  # torch's own refusal, not a probe's crash
         y = h * 2.0  # still allowed, and right
         assert_close_per_rank(y.to_local(), lambda r: reference_halo(full, 1, 1, 2, 2, r) * 2,
                               mesh)

@@ -103,14 +103,15 @@ def _check_rows(rows: list[list[int]], own: str | None, names: tuple[str, ...]) 
 
 
 def _agree(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim: int,
-           grp: _comm.Group, global_length: int, frame: int) -> None:
+           grp: _comm.Group, global_length: int, frame: int, problem: str | None = None
+           ) -> None:
     """Check every rank's tensors against `global_length` on every rank at once.
 
     Eager: one all-gather of a fixed-size row (it cannot mismatch, so a mistake on one rank
     raises `HaloError` everywhere, not a backend abort). Compiled: each rank checks its own
     chunk length against the stated global length, with no communication.
     """
-    problem = _problem(tensors, dim, global_length, frame)
+    problem = problem or _problem(tensors, dim, global_length, frame)
     if torch.compiler.is_compiling():
         if problem is not None:
             raise HaloError(problem)
@@ -217,11 +218,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLik
         >>> attention(q, k, v, mesh, global_length=96).shape  # q: (1, 1, 24, 16) on 4 ranks
         torch.Size([1, 1, 24, 16])
     """
+    problem = None
     if isinstance(q, torch.Tensor) and dim != q.ndim - 2:
-        raise HaloError(f"attention expects the token dim to be dim {q.ndim - 2} of "
-                        f"{tuple(q.shape)} (B, heads, L, E), got dim={dim}")
+        problem = (f"attention expects the token dim to be dim {q.ndim - 2} of "
+                   f"{tuple(q.shape)} (B, heads, L, E), got dim={dim}")
     grp = _comm.resolve_group(group)
-    _agree((q, k, v), ("q", "k", "v"), dim, grp, global_length, 1)
+    _agree((q, k, v), ("q", "k", "v"), dim, grp, global_length, 1, problem)
     k_all, v_all = _gather((k, v), dim, grp, global_length, 1)
     if enabled_local_tensor_mode() is not None:
         # LocalTensorMode picks the SDPA kernel once for all simulated ranks; the CPU flash
