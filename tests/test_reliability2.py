@@ -245,16 +245,40 @@ def bounded_on_2d(timeout_s: float) -> dict[str, object]:
     return {"before": before, "after": after, "text": text, "seconds": seconds}
 
 
-def skipped_backward(timeout_s: float) -> dict[str, object]:
-    """1-D mesh: rank 1 skips the backward of a halo layer; rank 0 raises HaloError."""
-    rank, mesh = dist.get_rank(), worker_mesh(2)
-    haloshard.set_timeout(mesh, timeout_s)
-    x = torch.ones(1, 1, 2, requires_grad=True)
-    y = halo_exchange(x, 1, 1, 2, mesh)
-    if rank == 1:
-        return {"text": "skipped", "seconds": 0.0}
-    text, seconds = _outcome(lambda: y.sum().backward())
-    return {"text": text, "seconds": seconds}
+def _scenario(name: str, group: dist.ProcessGroup) -> Callable[[], object]:
+    """What rank 0 runs while rank 1 has raised (or skipped) before the same step."""
+    x = torch.ones(1, 2, 2, 2, requires_grad=True)
+    if name == "skipped backward":
+        y = halo_exchange(x, 1, 1, 2, group)
+        return lambda: y.sum().backward()
+    if name == "group_norm forward":
+        return lambda: group_norm(x, 2, None, None, 1e-5, group)
+    if name == "attention forward":
+        return lambda: attention(x, x, x, group, global_length=4)
+    model = nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    return lambda: reduce_grads(model, group)  # type: ignore[arg-type]
+
+
+WAITS = {"skipped backward": "the halo exchange did not complete",
+         "group_norm forward": "the group_norm statistics all-gather did not complete",
+         "attention forward": "the gather metadata exchange did not complete",
+         "reduce_grads": "the reduce_grads metadata exchange did not complete"}
+
+
+def waits(timeout_s: float) -> dict[str, tuple[str, float]]:
+    """Rank 1 fails before each step; rank 0 must raise HaloError naming the collective.
+
+    Each scenario on a fresh group (a group whose collective timed out is not reused)."""
+    got = {}
+    for name in WAITS:
+        group = dist.new_group([0, 1])
+        haloshard.set_timeout(group, timeout_s)
+        if name == "skipped backward" or dist.get_rank() == 0:
+            step = _scenario(name, group)  # the forward runs on both ranks
+        got[name] = ("failed before the step", 0.0) if dist.get_rank() == 1 else \
+            _outcome(step)
+    return got
 
 
 @pytest.mark.gloo
@@ -276,16 +300,18 @@ def test_bounded_failure_on_2d_mesh() -> None:
 
 
 @pytest.mark.gloo
-def test_skipped_backward_is_bounded() -> None:
+def test_waiting_ranks_raise_halo_error() -> None:
     timeout_s = 3.0
     world = GlooWorld(2, pg_timeout=60, timeout=120)  # set_timeout, not the pg's, bounds it
     try:
-        waiting, skipped = world.run(skipped_backward, timeout_s)
+        waiting, failed = world.run(waits, timeout_s)
     finally:
         world.close(force=True)
-    assert skipped["text"] == "skipped"
-    assert waiting["text"].startswith("HaloError: the halo exchange did not complete"), waiting
-    assert waiting["seconds"] < 6 * timeout_s, waiting
+    for name, message in WAITS.items():
+        assert failed[name][0] == "failed before the step"
+        text, seconds = waiting[name]
+        assert text.startswith(f"HaloError: {message}"), (name, text)
+        assert seconds < 6 * timeout_s, (name, seconds)  # the bound, plus a loaded machine
 
 
 # ---------------------------------------------------------------- DTensor, simulated ranks
@@ -311,7 +337,7 @@ def test_zero_halo_guard_in_any_order(first: str) -> None:
                     lambda t: t.mul_(float("inf"))):
             with pytest.raises(HaloError, match="zero halo"):
                 bad(h)
-        with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        with pytest.raises(RuntimeError, match=r"mixed torch\.Tensor and DTensor"):
             h * torch.ones(3, dtype=h.dtype)  # torch's own refusal, not a probe's crash
         y = h * 2.0  # still allowed, and right
         assert_close_per_rank(y.to_local(), lambda r: reference_halo(full, 1, 1, 2, 2, r) * 2,
