@@ -385,7 +385,7 @@ def test_to_local_of_a_halo_dtensor_is_differentiable(pad: str) -> None:
 
 @pytest.mark.simulated
 def test_group_norm_with_statistics_beyond_the_first_block() -> None:
-    """3 * B * G = 768 statistics: more than the first all-gather block carries, so the rest
+    """3 * B * G = 1536 statistics: more than the first all-gather block carries, so the rest
     goes in a second gather. Against `F.group_norm` on one device: statistics combined in
     another order, float64 (1e-12); gradients likewise."""
     world, full = 2, seeded_randn((2, 256, 5, 2), 4)
@@ -393,11 +393,11 @@ def test_group_norm_with_statistics_beyond_the_first_block() -> None:
         (2, 256, 5, 2), 7)
     with single_device():
         ref_in = full.clone().requires_grad_()
-        ref = F.group_norm(ref_in, 128, weight, bias, 1e-5)
+        ref = F.group_norm(ref_in, 256, weight, bias, 1e-5)
         (ref * upstream).sum().backward()
     with simulated_mesh(world) as mesh:
         x = rank_map(mesh, lambda r: shard(full, 2, world, r).clone()).requires_grad_()
-        y = group_norm(x, 128, weight, bias, 1e-5, mesh)
+        y = group_norm(x, 256, weight, bias, 1e-5, mesh)
         (y * rank_map(mesh, lambda r: shard(upstream, 2, world, r))).sum().backward()
         tol = {"atol": 1e-12, "rtol": 1e-12}
         assert_close_per_rank(y, lambda r: shard(ref.detach(), 2, world, r), mesh, **tol)

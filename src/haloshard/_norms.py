@@ -4,7 +4,9 @@ GroupNorm's statistics run over (C/G, T, H, W) for each (batch, group): with T s
 rank holds part of every group. Each rank reduces its part to (count, mean, M2) per
 (batch, group), the ranks all-gather those few numbers (B * G * 3 per rank, no activations),
 and every rank combines them in rank order with Chan's parallel update: shifted sums, so no
-catastrophic cancellation, and the same result on every rank. The backward is written out
+catastrophic cancellation, and the same result on every rank. The same all-gather carries a
+row of each rank's arguments (C, groups, B, eps, dtype, affine) in a fixed-size first block,
+so a mismatch on one rank raises `HaloError` on every rank. The backward is written out
 (one all-reduce of the two group sums it needs), so only the input is kept for it.
 """
 
@@ -28,7 +30,7 @@ from haloshard._exchange import _dtype_code, _tensor_problem, shown
 # once every rank has agreed on B and G.
 _META = ("error", "ndim", "batch", "channels", "num_groups", "dtype", "eps", "weight",
          "bias", "requires_grad")
-_BLOCK = 512
+_BLOCK = 1024
 
 
 def _norm_problem(x: object, groups: object, weight: object, bias: object) -> str | None:
