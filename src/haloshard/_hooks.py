@@ -401,21 +401,30 @@ class _Site:
 
 
 def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None) -> _Site:
-    if not isinstance(x, torch.Tensor) or not -x.ndim <= dim < x.ndim:
-        got = f"a {x.ndim}-D tensor" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise HaloError(f"a halo module's first input must be a tensor with dim {dim}, got "
-                        f"{got}")
-    if isinstance(x, DTensor):
-        return _dtensor_site(x, dim)
-    if mesh is None:
-        raise HaloError("a plain-tensor input needs a mesh: apply the halo with HaloParallel "
-                        "(parallelize_module) or pass a DTensor")
-    if mesh.ndim != 1:
+    fits = isinstance(x, torch.Tensor) and -x.ndim <= dim < x.ndim
+    got = f"a {x.ndim}-D tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+    problem = f"a halo module's first input must be a tensor with dim {dim}, got {got}"
+    if isinstance(x, DTensor) or mesh is None or mesh.ndim != 1:
+        if not fits:
+            raise HaloError(problem)
+        if isinstance(x, DTensor):
+            return _dtensor_site(x, dim)
+        if mesh is None:
+            raise HaloError("a plain-tensor input needs a mesh: apply the halo with "
+                            "HaloParallel (parallelize_module) or pass a DTensor")
         raise HaloError(f"a plain-tensor input needs a 1-D mesh, got a {mesh.ndim}-D mesh; "
                         "pass a DTensor or the cp sub-mesh")
-    row = maybe_run_for_local_tensor(lambda t: torch.tensor([t.shape[dim]]))(x)
-    length = sum(r[0] for r in _comm.gather_ints(row, _comm.resolve_group((mesh, 0))))
-    shape = tuple(length if i == dim else int(s) for i, s in enumerate(x.shape))
+    # Plain chunks agree on their lengths; a bad input on one rank rides in the same row,
+    # so every rank raises instead of the others waiting.
+    row = (maybe_run_for_local_tensor(lambda t: torch.tensor([t.shape[dim], 0]))(x) if fits
+           else torch.tensor([0, 1]))
+    rows = _comm.gather_ints(row, _comm.resolve_group((mesh, 0)))
+    bad = [r for r, (_, flag) in enumerate(rows) if flag]
+    if bad:
+        raise HaloError(problem if not fits else f"rank(s) {bad} of the group passed this "
+                        f"halo module an input without dim {dim}; expected a tensor with it")
+    shape = tuple(sum(r[0] for r in rows) if i == dim else int(s)
+                  for i, s in enumerate(x.shape))
     return _Site(x, mesh, 0, None, shape, dim)
 
 

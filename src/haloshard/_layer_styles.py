@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm
-from haloshard._attention import gather_along
+from haloshard._attention import gather_many
 from haloshard._errors import HaloError, named
 from haloshard._hooks import (
     _HANDLE,
@@ -244,9 +244,7 @@ class _GroupNormForward(_LocalForward):
     def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
         gn = self.module
         assert isinstance(gn, nn.GroupNorm)
-        if site.local.shape[1] % gn.num_groups:
-            raise HaloError(f"GroupNormParallel needs C divisible by num_groups="
-                            f"{gn.num_groups}, got shape {tuple(site.local.shape)}")
+        # `_GroupNormFn` checks C against the groups on every rank, inside its gather.
         grp = _comm.resolve_group((site.mesh, site.axis))
         return _GroupNormFn.apply(site.local, gn.weight, gn.bias, gn.num_groups, gn.eps,
                                     grp)
@@ -330,8 +328,8 @@ class _TokenAttention(TorchFunctionMode):
         group, frames = (self.site.mesh, self.site.axis), self.site.length
         # Tokens gathered in frames of S, not as a (..., T_r, S, E) view: that reshape of a
         # per-rank length is not supported under LocalTensorMode.
-        k_all, v_all = (gather_along(t, t.ndim - 2, group, global_length=frames,
-                                     frame=self.frame) for t in (k, v))
+        k_all, v_all = gather_many((k, v), k.ndim - 2, group, global_length=frames,
+                                   frame=self.frame)
         if enabled_local_tensor_mode() is not None or q.shape[-2] == 0:
             # As in haloshard.attention: LocalTensorMode picks one SDPA kernel for all
             # simulated ranks, and the CPU flash kernel divides by zero on an idle rank.
