@@ -254,3 +254,28 @@ def test_waiting_rank_names_the_module() -> None:
     assert text.startswith("HaloError: the halo metadata exchange for decoder.conv_in "
                            "(Conv3d) did not complete"), text
     assert seconds < 6 * timeout_s, seconds  # the bound, plus a loaded machine
+
+
+def bad_input_on_one_rank() -> tuple[str, float]:
+    """A hooked conv given a plain input without the sharded dim on rank 1 only: every rank
+    raises HaloError at once (the flag rides in the chunk-length gather)."""
+    import time
+
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    conv = nn.Conv3d(1, 1, 3, padding=1)
+    parallelize_module(conv, mesh, HaloParallel())
+    x = torch.zeros(1, 1) if rank == 1 else torch.zeros(1, 1, 2, 2, 2)
+    start = time.perf_counter()
+    try:
+        conv(x)
+    except HaloError as error:
+        return f"HaloError: {error}", time.perf_counter() - start
+    return "ok", time.perf_counter() - start
+
+
+@pytest.mark.gloo
+def test_bad_plain_input_on_one_rank_raises_everywhere(gloo: Callable[[int], Any]) -> None:
+    (other, t0), (bad, t1) = gloo(2).run(bad_input_on_one_rank, timeout=120)
+    assert "rank(s) [1] of the group passed this halo module an input without dim 2" in other
+    assert "first input must be a tensor with dim 2, got a 2-D tensor" in bad
+    assert max(t0, t1) < 5.0, (t0, t1)  # at once, not at a timeout (60 s here)

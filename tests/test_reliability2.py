@@ -62,7 +62,7 @@ def _outcome(fn: Callable[[], object]) -> tuple[str, float]:
 def _attention_case(mesh: DeviceMesh, rank: int, case: str) -> None:
     full = torch.randn(1, 2, 7, 4, generator=torch.Generator().manual_seed(0))
     q = shard(full, 2, 2, rank)
-    k, v, length = q, q, 7
+    k, v, length, dim = q, q, 7, 2
     if case == "attention_length_wrong_everywhere":
         length = 9
     elif case == "attention_length_wrong_on_one_rank" and rank == 1:
@@ -71,7 +71,9 @@ def _attention_case(mesh: DeviceMesh, rank: int, case: str) -> None:
         length = 8 if rank == 0 else 7  # rank 0 holds 4 in both splits: only the row tells
     elif case == "attention_dtype_on_one_rank" and rank == 1:
         v = v.double()
-    attention(q, k, v, mesh, global_length=length)
+    elif case == "attention_dim_on_one_rank" and rank == 1:
+        dim = 3
+    attention(q, k, v, mesh, global_length=length, dim=dim)
 
 
 def _norm_case(mesh: DeviceMesh, rank: int, case: str) -> None:
@@ -123,10 +125,13 @@ CASES: dict[str, tuple[Callable[[DeviceMesh, int, str], None], str]] = {
     "attention_length_wrong_everywhere": (_attention_case, "do not match global_length=9"),
     "attention_length_wrong_on_one_rank": (_attention_case, "ranks disagree on global_length"),
     "attention_length_wrong_on_rank_0": (_attention_case, "ranks disagree on global_length"),
-    "attention_dtype_on_one_rank": (_attention_case, "ranks disagree on v dtype"),
+    "attention_dtype_on_one_rank": (
+        _attention_case, r"ranks disagree on v dtype: \['torch.float32', 'torch.float64'\]"),
+    "attention_dim_on_one_rank": (_attention_case, r"token dim to be dim 2|rank\(s\) \[1\] "),
     "group_norm_channels": (_norm_case, r"ranks disagree on channels: \[8, 16\]"),
     "group_norm_groups": (_norm_case, r"ranks disagree on num_groups: \[4, 2\]"),
-    "group_norm_dtype": (_norm_case, "ranks disagree on dtype"),
+    "group_norm_dtype": (
+        _norm_case, r"ranks disagree on dtype: \['torch.float32', 'torch.float64'\]"),
     "group_norm_indivisible": (_norm_case, r"C divisible by num_groups=3|rank\(s\) \[1\] "),
     "reduce_grads_frozen": (_grads_case, "disagree on the parameters that require grad"),
     "reduce_grads_dtype": (_grads_case, "disagree on the parameters that require grad"),
@@ -134,7 +139,8 @@ CASES: dict[str, tuple[Callable[[DeviceMesh, int, str], None], str]] = {
     "halo_too_large": (_exchange_case, "too large|rank\\(s\\) \\[1\\] "),
     "meta_tensor": (_exchange_case, "meta tensor|rank\\(s\\) \\[1\\] "),
     "sparse_tensor": (_exchange_case, "dense \\(strided\\)|rank\\(s\\) \\[1\\] "),
-    "unlisted_dtypes": (_exchange_case, "ranks disagree on dtype"),
+    "unlisted_dtypes": (
+        _exchange_case, r"ranks disagree on dtype: \['torch.float8_e4m3fn', 'torch.float8_e5m2'"),
 }
 
 
@@ -239,16 +245,40 @@ def bounded_on_2d(timeout_s: float) -> dict[str, object]:
     return {"before": before, "after": after, "text": text, "seconds": seconds}
 
 
-def skipped_backward(timeout_s: float) -> dict[str, object]:
-    """1-D mesh: rank 1 skips the backward of a halo layer; rank 0 raises HaloError."""
-    rank, mesh = dist.get_rank(), worker_mesh(2)
-    haloshard.set_timeout(mesh, timeout_s)
-    x = torch.ones(1, 1, 2, requires_grad=True)
-    y = halo_exchange(x, 1, 1, 2, mesh)
-    if rank == 1:
-        return {"text": "skipped", "seconds": 0.0}
-    text, seconds = _outcome(lambda: y.sum().backward())
-    return {"text": text, "seconds": seconds}
+def _scenario(name: str, group: dist.ProcessGroup) -> Callable[[], object]:
+    """What rank 0 runs while rank 1 has raised (or skipped) before the same step."""
+    x = torch.ones(1, 2, 2, 2, requires_grad=True)
+    if name == "skipped backward":
+        y = halo_exchange(x, 1, 1, 2, group)
+        return lambda: y.sum().backward()
+    if name == "group_norm forward":
+        return lambda: group_norm(x, 2, None, None, 1e-5, group)
+    if name == "attention forward":
+        return lambda: attention(x, x, x, group, global_length=4)
+    model = nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    return lambda: reduce_grads(model, group)  # type: ignore[arg-type]
+
+
+WAITS = {"skipped backward": "the halo exchange did not complete",
+         "group_norm forward": "the group_norm statistics all-gather did not complete",
+         "attention forward": "the gather metadata exchange did not complete",
+         "reduce_grads": "the reduce_grads metadata exchange did not complete"}
+
+
+def waits(timeout_s: float) -> dict[str, tuple[str, float]]:
+    """Rank 1 fails before each step; rank 0 must raise HaloError naming the collective.
+
+    Each scenario on a fresh group (a group whose collective timed out is not reused)."""
+    got = {}
+    for name in WAITS:
+        group = dist.new_group([0, 1])
+        haloshard.set_timeout(group, timeout_s)
+        if name == "skipped backward" or dist.get_rank() == 0:
+            step = _scenario(name, group)  # the forward runs on both ranks
+        got[name] = ("failed before the step", 0.0) if dist.get_rank() == 1 else \
+            _outcome(step)
+    return got
 
 
 @pytest.mark.gloo
@@ -270,16 +300,18 @@ def test_bounded_failure_on_2d_mesh() -> None:
 
 
 @pytest.mark.gloo
-def test_skipped_backward_is_bounded() -> None:
+def test_waiting_ranks_raise_halo_error() -> None:
     timeout_s = 3.0
     world = GlooWorld(2, pg_timeout=60, timeout=120)  # set_timeout, not the pg's, bounds it
     try:
-        waiting, skipped = world.run(skipped_backward, timeout_s)
+        waiting, failed = world.run(waits, timeout_s)
     finally:
         world.close(force=True)
-    assert skipped["text"] == "skipped"
-    assert waiting["text"].startswith("HaloError: the halo exchange did not complete"), waiting
-    assert waiting["seconds"] < 6 * timeout_s, waiting
+    for name, message in WAITS.items():
+        assert failed[name][0] == "failed before the step"
+        text, seconds = waiting[name]
+        assert text.startswith(f"HaloError: {message}"), (name, text)
+        assert seconds < 6 * timeout_s, (name, seconds)  # the bound, plus a loaded machine
 
 
 # ---------------------------------------------------------------- DTensor, simulated ranks
@@ -305,6 +337,8 @@ def test_zero_halo_guard_in_any_order(first: str) -> None:
                     lambda t: t.mul_(float("inf"))):
             with pytest.raises(HaloError, match="zero halo"):
                 bad(h)
+        with pytest.raises(RuntimeError, match=r"mixed torch\.Tensor and DTensor"):
+            h * torch.ones(3, dtype=h.dtype)  # torch's own refusal, not a probe's crash
         y = h * 2.0  # still allowed, and right
         assert_close_per_rank(y.to_local(), lambda r: reference_halo(full, 1, 1, 2, 2, r) * 2,
                               mesh)
@@ -351,7 +385,7 @@ def test_to_local_of_a_halo_dtensor_is_differentiable(pad: str) -> None:
 
 @pytest.mark.simulated
 def test_group_norm_with_statistics_beyond_the_first_block() -> None:
-    """3 * B * G = 768 statistics: more than the first all-gather block carries, so the rest
+    """3 * B * G = 1536 statistics: more than the first all-gather block carries, so the rest
     goes in a second gather. Against `F.group_norm` on one device: statistics combined in
     another order, float64 (1e-12); gradients likewise."""
     world, full = 2, seeded_randn((2, 256, 5, 2), 4)
@@ -359,11 +393,11 @@ def test_group_norm_with_statistics_beyond_the_first_block() -> None:
         (2, 256, 5, 2), 7)
     with single_device():
         ref_in = full.clone().requires_grad_()
-        ref = F.group_norm(ref_in, 128, weight, bias, 1e-5)
+        ref = F.group_norm(ref_in, 256, weight, bias, 1e-5)
         (ref * upstream).sum().backward()
     with simulated_mesh(world) as mesh:
         x = rank_map(mesh, lambda r: shard(full, 2, world, r).clone()).requires_grad_()
-        y = group_norm(x, 128, weight, bias, 1e-5, mesh)
+        y = group_norm(x, 256, weight, bias, 1e-5, mesh)
         (y * rank_map(mesh, lambda r: shard(upstream, 2, world, r))).sum().backward()
         tol = {"atol": 1e-12, "rtol": 1e-12}
         assert_close_per_rank(y, lambda r: shard(ref.detach(), 2, world, r), mesh, **tol)

@@ -9,8 +9,6 @@ of dK and dV, so gradients are exact too.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -25,6 +23,7 @@ from haloshard._exchange import (
     _dtype_code,
     _length_problem,
     _tensor_problem,
+    shown,
 )
 from haloshard._layout import shard_sizes
 
@@ -89,7 +88,8 @@ def _check_rows(rows: list[list[int]], own: str | None, names: tuple[str, ...]) 
     for i, field in enumerate(fields, start=1):
         values = [row[i] for row in rows]
         if i not in length_at and len(set(values)) > 1:
-            raise HaloError(f"ranks disagree on {field}: {values} (rank by rank); every rank "
+            raise HaloError(f"ranks disagree on {field}: {shown(field, values)} (rank by rank); "
+                            "every rank "
                             "must pass the same arguments and tensors that differ only in the "
                             "length of the gathered dim")
     global_length, frame = rows[0][1], rows[0][2]
@@ -103,14 +103,15 @@ def _check_rows(rows: list[list[int]], own: str | None, names: tuple[str, ...]) 
 
 
 def _agree(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim: int,
-           grp: _comm.Group, global_length: int, frame: int) -> None:
+           grp: _comm.Group, global_length: int, frame: int, problem: str | None = None
+           ) -> None:
     """Check every rank's tensors against `global_length` on every rank at once.
 
     Eager: one all-gather of a fixed-size row (it cannot mismatch, so a mistake on one rank
     raises `HaloError` everywhere, not a backend abort). Compiled: each rank checks its own
     chunk length against the stated global length, with no communication.
     """
-    problem = _problem(tensors, dim, global_length, frame)
+    problem = problem or _problem(tensors, dim, global_length, frame)
     if torch.compiler.is_compiling():
         if problem is not None:
             raise HaloError(problem)
@@ -124,26 +125,35 @@ def _agree(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim: int,
 
 def _gather(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
             global_length: int, frame: int) -> tuple[torch.Tensor, ...]:
-    """All-gather several agreed tensors along `dim` in one collective."""
-    lengths = tuple(n * frame for n in shard_sizes(global_length, grp.size))
-    chunk = max(lengths)
+    """All-gather agreed tensors along `dim`: in one collective when they are plain eager
+    tensors that differ only in their last dim (K and V), else one each."""
     ndim = tensors[0].ndim
     names = [f"d{i}" for i in range(ndim)]
     moved = " ".join([names[dim], *names[:dim], *names[dim + 1 :]])
     fronts = [rearrange(t, f"{' '.join(names)} -> {moved}") for t in tensors]
-    flat = (torch.cat([f.contiguous().flatten(1) for f in fronts], 1) if len(fronts) > 1
-            else fronts[0])
-    # all-gather needs equal blocks: pad each chunk to the longest, then keep the real rows.
-    padded = torch.cat([flat, flat.new_zeros((chunk - flat.shape[0], *flat.shape[1:]))])
-    every = _comm.all_gather_autograd(padded.contiguous(), grp, "all-gather along the dim")
-    rows = every.index_select(0, _valid_rows(lengths, chunk, tensors[0].device))
-    if len(fronts) > 1:
-        widths = [math.prod(f.shape[1:]) for f in fronts]
-        parts = [p.unflatten(1, f.shape[1:]) for p, f in zip(rows.split(widths, 1), fronts,
-                                                            strict=True)]
+    # Concatenated along the last dim (dim 0, the gathered one, has the same length in all:
+    # checked by `_agree`). Plain eager tensors only: LocalTensorMode's per-rank lengths do
+    # not survive that cat's backward, and compiled code needs no metadata row to pay for.
+    if ndim > 1 and _comm.is_eager(fronts[0]) and all(
+            f.shape[1:-1] == fronts[0].shape[1:-1] for f in fronts):
+        widths = [f.shape[-1] for f in fronts]
+        every = _gather_front(torch.cat(fronts, -1) if len(fronts) > 1 else fronts[0], grp,
+                              global_length, frame)
+        parts = every.split(widths, -1)
     else:
-        parts = [rows]
+        parts = tuple(_gather_front(f, grp, global_length, frame) for f in fronts)
     return tuple(rearrange(p, f"{moved} -> {' '.join(names)}") for p in parts)
+
+
+def _gather_front(front: torch.Tensor, grp: _comm.Group, global_length: int, frame: int
+                  ) -> torch.Tensor:
+    """All-gather chunks of dim 0 (uneven and empty included) into the global dim 0."""
+    lengths = tuple(n * frame for n in shard_sizes(global_length, grp.size))
+    chunk = max(lengths)
+    # all-gather needs equal blocks: pad each chunk to the longest, then keep the real rows.
+    padded = torch.cat([front, front.new_zeros((chunk - front.shape[0], *front.shape[1:]))])
+    every = _comm.all_gather_autograd(padded.contiguous(), grp, "all-gather along the dim")
+    return every.index_select(0, _valid_rows(lengths, chunk, front.device))
 
 
 def gather_along(x: torch.Tensor, dim: int, group: GroupLike, *, global_length: int,
@@ -208,11 +218,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLik
         >>> attention(q, k, v, mesh, global_length=96).shape  # q: (1, 1, 24, 16) on 4 ranks
         torch.Size([1, 1, 24, 16])
     """
+    problem = None
     if isinstance(q, torch.Tensor) and dim != q.ndim - 2:
-        raise HaloError(f"attention expects the token dim to be dim {q.ndim - 2} of "
-                        f"{tuple(q.shape)} (B, heads, L, E), got dim={dim}")
+        problem = (f"attention expects the token dim to be dim {q.ndim - 2} of "
+                   f"{tuple(q.shape)} (B, heads, L, E), got dim={dim}")
     grp = _comm.resolve_group(group)
-    _agree((q, k, v), ("q", "k", "v"), dim, grp, global_length, 1)
+    _agree((q, k, v), ("q", "k", "v"), dim, grp, global_length, 1, problem)
     k_all, v_all = _gather((k, v), dim, grp, global_length, 1)
     if enabled_local_tensor_mode() is not None:
         # LocalTensorMode picks the SDPA kernel once for all simulated ranks; the CPU flash

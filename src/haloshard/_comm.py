@@ -162,7 +162,7 @@ def resolve_group(group: GroupLike) -> Group:
     )
 
 
-def _eager(buf: torch.Tensor) -> bool:
+def is_eager(buf: torch.Tensor) -> bool:
     """Plain tensors in eager mode take c10d's own async calls (a `Work` to wait on); traced,
     fake and simulated (`LocalTensorMode`) tensors take functional collectives."""
     return (type(buf) is torch.Tensor and not torch.compiler.is_compiling()
@@ -188,7 +188,7 @@ def gather_ints(values: torch.Tensor, group: Group, what: str = "halo metadata e
     """All-gather one small int64 vector per rank; every rank gets every rank's row."""
 
     def run() -> list[int]:
-        if _eager(values):
+        if is_eager(values):
             out = values.new_empty(group.size * values.numel())
             dist.all_gather_single(out, values, group=group.pg)
             return out.tolist()
@@ -204,7 +204,7 @@ def start_all_to_all(
 ) -> Pending:
     """Start an all-to-all along dim 0 with per-peer split sizes (zero: no bytes to that
     peer). The receive buffer is allocated uninitialised: the collective fills all of it."""
-    if not _eager(buf):
+    if not is_eager(buf):
         return Pending(funcol.all_to_all_single(buf, recv_splits, send_splits,
                                                 group.funcol_group))
     buf = buf.contiguous()
@@ -223,7 +223,7 @@ def all_to_all(
 
 def all_gather(buf: torch.Tensor, group: Group, what: str = "all-gather") -> torch.Tensor:
     """All-gather along dim 0: every rank gets every rank's `buf`, in rank order."""
-    if not _eager(buf):
+    if not is_eager(buf):
         return funcol.all_gather_single(buf, 0, group.funcol_group)
     buf = buf.contiguous()
     out = buf.new_empty((group.size * buf.shape[0], *buf.shape[1:]))
@@ -235,7 +235,7 @@ def all_gather(buf: torch.Tensor, group: Group, what: str = "all-gather") -> tor
 def reduce_scatter(buf: torch.Tensor, group: Group, what: str = "reduce-scatter"
                    ) -> torch.Tensor:
     """Sum over ranks, then rank r keeps block r of dim 0 (the adjoint of `all_gather`)."""
-    if not _eager(buf):
+    if not is_eager(buf):
         return funcol.reduce_scatter_single(buf, "sum", 0, group.funcol_group)
     buf = buf.contiguous()
     out = buf.new_empty((buf.shape[0] // group.size, *buf.shape[1:]))
@@ -280,7 +280,7 @@ def start_p2p(
 
 def all_reduce_sum(buf: torch.Tensor, group: Group, what: str = "all-reduce") -> torch.Tensor:
     """Sum `buf` over the group (not differentiable: for gradients after backward)."""
-    if not _eager(buf):
+    if not is_eager(buf):
         return funcol.wait_tensor(funcol.all_reduce(buf, "sum", group.funcol_group))
     out = buf.clone(memory_format=torch.contiguous_format)
     work = dist.all_reduce(out, group=group.pg, async_op=True)
@@ -306,6 +306,6 @@ class _AllGather(torch.autograd.Function):
 def all_gather_autograd(buf: torch.Tensor, group: Group, what: str = "all-gather"
                         ) -> torch.Tensor:
     """Differentiable all-gather along dim 0; backward is a reduce-scatter of the gradient."""
-    if _eager(buf):
+    if is_eager(buf):
         return _AllGather.apply(buf, group, what)
     return funcol.all_gather_single_autograd(buf, 0, group.funcol_group)

@@ -172,7 +172,10 @@ def scalar_handler(previous: Handler | None) -> Handler:
                 check_local(arg)
                 axis = halo_axis(arg.placements)
                 zeros = arg.placements[axis].pad == "zeros"  # type: ignore[index,attr-defined]
-                if zeros and bool(_probe_args(op_call, args, kwargs) != 0):
+                # A plain tensor argument is refused by the guard; nothing to probe here.
+                plain = any(isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+                            for a in (*args, *kwargs.values()))
+                if zeros and not plain and bool(_probe_args(op_call, args, kwargs) != 0):
                     out = _probe_args(op_call, args, kwargs).item()
                     raise unsupported(op_call, arg.placements, f" (with these arguments it "
                                       f"maps the zero halo to {out}, so pad='zeros' would no "

@@ -47,6 +47,14 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return len(_DTYPES) + zlib.crc32(str(dtype).encode())
 
 
+def shown(field: str, values: list[Any]) -> list[Any]:
+    """Row values as a message shows them: dtype codes by name."""
+    if not field.endswith("dtype"):
+        return values
+    names = {_dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    return [names.get(int(v), v) for v in values]
+
+
 def _tensor_problem(x: object) -> str | None:
     """What makes `x` unusable for an exchange on this rank, or None."""
     if not isinstance(x, torch.Tensor):
@@ -119,7 +127,8 @@ def _check_rows(rows: list[list[int]], own_problem: str | None) -> None:
         values = [row[i] for row in rows]
         if i != _LEN and len(set(values)) > 1:
             raise HaloError(
-                f"ranks disagree on {field}: {values} (rank by rank); every rank must pass "
+                f"ranks disagree on {field}: {shown(field, values)} (rank by rank); every "
+                "rank must pass "
                 "the same halo_exchange arguments and tensors that differ only in the length "
                 "of the sharded dim"
             )

@@ -63,6 +63,8 @@ from haloshard._specs import (
 )
 from haloshard._varlen import active_boundaries, varlen_conv
 
+# How a module runs on its window: `local(forward, window, *args, **kwargs) -> output`.
+LocalRun = Callable[..., Any]
 _ANNOTATION = "_haloshard_annotation"
 _HANDLE = "_haloshard_handle"
 # True while a halo module's forward runs: halo modules nested in it pass through.
@@ -247,7 +249,7 @@ def handle_of(module: nn.Module) -> HaloHandle | None:
 
 
 def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *,
-           overlap: bool = True) -> HaloHandle:
+           overlap: bool = True, local: LocalRun | None = None) -> HaloHandle:
     """Make `module` run on `Shard(dim)` inputs with its halo; see the module docstring.
 
     Args:
@@ -256,6 +258,8 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
         mesh: used for plain-tensor inputs (1-D); DTensor inputs bring their own mesh.
         overlap: run stride-1 convs that keep the length as `halo_conv`, which computes the
             interior while the halo is in flight.
+        local: how the module runs on its window, `local(forward, window, *args, **kwargs)`;
+            None calls `forward(window, *args, **kwargs)`.
 
     Raises:
         HaloError: when a halo is already attached to the module.
@@ -275,7 +279,7 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
                                   overlap=overlap and known,
                                   watch=(annotation.spec is None and not known
                                          and isinstance(module, DERIVABLE)),
-                                  name=module_name(module))
+                                  name=module_name(module), local=local)
     handle = HaloHandle(module, saved, previous)
     setattr(module, _HANDLE, handle)
     return handle
@@ -287,10 +291,11 @@ class _HaloForward:
 
     def __init__(self, module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None,
                  saved: dict[str, Any], previous: Callable[..., Any] | None, *,
-                 overlap: bool = True, watch: bool = False, name: str = "") -> None:
+                 overlap: bool = True, watch: bool = False, name: str = "",
+                 local: LocalRun | None = None) -> None:
         self.module, self.annotation, self.mesh = module, annotation, mesh
         self.saved, self.previous, self.overlap = saved, previous, overlap
-        self.watch, self.name = watch, name or type(module).__name__
+        self.watch, self.name, self.local = watch, name or type(module).__name__, local
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _HaloForward:
         # The mesh is shared, never copied: it names process groups.
@@ -336,7 +341,8 @@ class _HaloForward:
         token = _INSIDE.set(True)
         try:
             with _NoPadAlong(annotation.dim, annotation.spec, window, watch=self.watch):
-                y = self.original(window, *args, **kwargs)
+                y = (self.original(window, *args, **kwargs) if self.local is None
+                     else self.local(self.original, window, *args, **kwargs))
         finally:
             _INSIDE.reset(token)
         return _output(y, site, plan, annotation)
@@ -395,21 +401,30 @@ class _Site:
 
 
 def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None) -> _Site:
-    if not isinstance(x, torch.Tensor) or not -x.ndim <= dim < x.ndim:
-        got = f"a {x.ndim}-D tensor" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise HaloError(f"a halo module's first input must be a tensor with dim {dim}, got "
-                        f"{got}")
-    if isinstance(x, DTensor):
-        return _dtensor_site(x, dim)
-    if mesh is None:
-        raise HaloError("a plain-tensor input needs a mesh: apply the halo with HaloParallel "
-                        "(parallelize_module) or pass a DTensor")
-    if mesh.ndim != 1:
+    fits = isinstance(x, torch.Tensor) and -x.ndim <= dim < x.ndim
+    got = f"a {x.ndim}-D tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+    problem = f"a halo module's first input must be a tensor with dim {dim}, got {got}"
+    if isinstance(x, DTensor) or mesh is None or mesh.ndim != 1:
+        if not fits:
+            raise HaloError(problem)
+        if isinstance(x, DTensor):
+            return _dtensor_site(x, dim)
+        if mesh is None:
+            raise HaloError("a plain-tensor input needs a mesh: apply the halo with "
+                            "HaloParallel (parallelize_module) or pass a DTensor")
         raise HaloError(f"a plain-tensor input needs a 1-D mesh, got a {mesh.ndim}-D mesh; "
                         "pass a DTensor or the cp sub-mesh")
-    row = maybe_run_for_local_tensor(lambda t: torch.tensor([t.shape[dim]]))(x)
-    length = sum(r[0] for r in _comm.gather_ints(row, _comm.resolve_group((mesh, 0))))
-    shape = tuple(length if i == dim else int(s) for i, s in enumerate(x.shape))
+    # Plain chunks agree on their lengths; a bad input on one rank rides in the same row,
+    # so every rank raises instead of the others waiting.
+    row = (maybe_run_for_local_tensor(lambda t: torch.tensor([t.shape[dim], 0]))(x) if fits
+           else torch.tensor([0, 1]))
+    rows = _comm.gather_ints(row, _comm.resolve_group((mesh, 0)))
+    bad = [r for r, (_, flag) in enumerate(rows) if flag]
+    if bad:
+        raise HaloError(problem if not fits else f"rank(s) {bad} of the group passed this "
+                        f"halo module an input without dim {dim}; expected a tensor with it")
+    shape = tuple(sum(r[0] for r in rows) if i == dim else int(s)
+                  for i, s in enumerate(x.shape))
     return _Site(x, mesh, 0, None, shape, dim)
 
 

@@ -43,13 +43,14 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm
-from haloshard._attention import gather_along
+from haloshard._attention import gather_many
 from haloshard._errors import HaloError, named
 from haloshard._hooks import (
     _HANDLE,
     _INSIDE,
     Annotation,
     HaloHandle,
+    LocalRun,
     _dtensor_site,
     _global_shape,
     _HaloForward,
@@ -243,9 +244,7 @@ class _GroupNormForward(_LocalForward):
     def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
         gn = self.module
         assert isinstance(gn, nn.GroupNorm)
-        if site.local.shape[1] % gn.num_groups:
-            raise HaloError(f"GroupNormParallel needs C divisible by num_groups="
-                            f"{gn.num_groups}, got shape {tuple(site.local.shape)}")
+        # `_GroupNormFn` checks C against the groups on every rank, inside its gather.
         grp = _comm.resolve_group((site.mesh, site.axis))
         return _GroupNormFn.apply(site.local, gn.weight, gn.bias, gn.num_groups, gn.eps,
                                     grp)
@@ -329,8 +328,8 @@ class _TokenAttention(TorchFunctionMode):
         group, frames = (self.site.mesh, self.site.axis), self.site.length
         # Tokens gathered in frames of S, not as a (..., T_r, S, E) view: that reshape of a
         # per-rank length is not supported under LocalTensorMode.
-        k_all, v_all = (gather_along(t, t.ndim - 2, group, global_length=frames,
-                                     frame=self.frame) for t in (k, v))
+        k_all, v_all = gather_many((k, v), k.ndim - 2, group, global_length=frames,
+                                   frame=self.frame)
         if enabled_local_tensor_mode() is not None or q.shape[-2] == 0:
             # As in haloshard.attention: LocalTensorMode picks one SDPA kernel for all
             # simulated ranks, and the CPU flash kernel divides by zero on an idle rank.
@@ -611,6 +610,10 @@ class FirstFrameParallel(ParallelStyle):
             frame 0 or every frame repeated (CogVideoX's `DownSample3D` / `Upsample3D`,
             factor 2); None (the default) raises `HaloError` at run time on an even T.
         dim: the sharded dim.
+        local: how the module runs on its window, `local(forward, window) -> output`, for
+            a module whose first-frame rule lives in a protocol of its own rather than in
+            one call (Wan's `WanResample` keeps the first frame only when called on it alone,
+            with a frame cache: see `haloshard.integrations.diffusers`); None: one call.
 
     Raises:
         HaloError: for factor < 1 or another direction; at run time for an even T with
@@ -623,10 +626,11 @@ class FirstFrameParallel(ParallelStyle):
     """
 
     def __init__(self, factor: int, direction: Literal["down", "up"], *,
-                 even: Literal["first", "all"] | None = None, dim: int = 2) -> None:
+                 even: Literal["first", "all"] | None = None, dim: int = 2,
+                 local: LocalRun | None = None) -> None:
         super().__init__()
         self.stencil = FirstFrameStencil(factor, direction, even=even)
-        self.dim = dim
+        self.dim, self.local = dim, local
 
     def __repr__(self) -> str:
         s = self.stencil
@@ -636,5 +640,6 @@ class FirstFrameParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_dim(module, self.dim, "FirstFrameParallel")
-        attach(module, Annotation(None, self.dim, self.stencil), device_mesh)
+        attach(module, Annotation(None, self.dim, self.stencil), device_mesh,
+               local=self.local)
         return module

@@ -4,7 +4,9 @@ GroupNorm's statistics run over (C/G, T, H, W) for each (batch, group): with T s
 rank holds part of every group. Each rank reduces its part to (count, mean, M2) per
 (batch, group), the ranks all-gather those few numbers (B * G * 3 per rank, no activations),
 and every rank combines them in rank order with Chan's parallel update: shifted sums, so no
-catastrophic cancellation, and the same result on every rank. The backward is written out
+catastrophic cancellation, and the same result on every rank. The same all-gather carries a
+row of each rank's arguments (C, groups, B, eps, dtype, affine) in a fixed-size first block,
+so a mismatch on one rank raises `HaloError` on every rank. The backward is written out
 (one all-reduce of the two group sums it needs), so only the input is kept for it.
 """
 
@@ -19,7 +21,7 @@ from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from haloshard import _comm
 from haloshard._comm import GroupLike
 from haloshard._errors import HaloError
-from haloshard._exchange import _dtype_code, _tensor_problem
+from haloshard._exchange import _dtype_code, _tensor_problem, shown
 
 # The statistics all-gather has a fixed-size first block: a metadata row, then as many
 # statistics as fit. Every rank sends the same number of values whatever its arguments, so a
@@ -28,7 +30,7 @@ from haloshard._exchange import _dtype_code, _tensor_problem
 # once every rank has agreed on B and G.
 _META = ("error", "ndim", "batch", "channels", "num_groups", "dtype", "eps", "weight",
          "bias", "requires_grad")
-_BLOCK = 512
+_BLOCK = 1024
 
 
 def _norm_problem(x: object, groups: object, weight: object, bias: object) -> str | None:
@@ -72,8 +74,9 @@ def _check_meta(rows: list[list[float]], own: str | None) -> None:
     for i, field in enumerate(_META):
         values = [row[i] for row in rows]
         if len(set(values)) > 1:
-            shown = [int(v) if field != "eps" else v for v in values]
-            raise HaloError(f"group_norm: ranks disagree on {field}: {shown} (rank by rank); "
+            ints = [int(v) if field != "eps" else v for v in values]
+            raise HaloError(f"group_norm: ranks disagree on {field}: {shown(field, ints)} "
+                            "(rank by rank); "
                             "every rank must pass the same num_groups, eps, affine "
                             "parameters and tensors that differ only in the sharded dim")
 

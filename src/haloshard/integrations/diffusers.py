@@ -11,8 +11,9 @@ tests/test_diffusers.py):
 - `AutoencoderKLMochi`: encoder and decoder, causal attention along T per pixel;
 - `AutoencoderKLLTXVideo`: the 0.9.0 configuration (no residual upsamplers, no timestep
   conditioning: those raise `HaloError`).
-- `AutoencoderKLWan`: `wan_encode(vae, x)` with `plan_for(vae.encoder)` gives exactly
-  `vae.encode`'s chunk loop (T = 1 + 4k); the decoder is not supported.
+- `AutoencoderKLWan` (Wan 2.1 encoder): `wan_encoder_plan(vae)` and `wan_encode(vae, x)`
+  (`haloshard.integrations._wan`, re-exported here) give exactly `vae._encode`'s chunk loop
+  (T = 1 + 4k); `plan_for` refers Wan models there. The decoder is not supported.
 
 Each plan covers every layer with parameters or a temporal extent, by class; a layer of a
 kind the plan does not know raises `HaloError` naming it by fqn, rather than being left to
@@ -75,6 +76,24 @@ from haloshard._masked_attention import frame_attention, lack
 from haloshard._norms import group_norm
 from haloshard._specs import DERIVABLE
 from haloshard._styles import HaloParallel
+from haloshard.integrations._wan import cached_downsample, wan_encode, wan_encoder_plan
+
+__all__ = [
+    "plan_for",
+    "wan_encoder_plan",
+    "wan_encode",
+    "cached_downsample",
+    "HunyuanMidBlockParallel",
+    "HunyuanUpsampleParallel",
+    "CogSpatialNormParallel",
+    "MochiBlockParallel",
+    "MochiUpBlockParallel",
+    "LTXUpsamplerParallel",
+    "FramewiseParallel",
+    "UpCausalStencil",
+    "RepeatStencil",
+    "ConvDepthToSpaceStencil",
+]
 
 DIFFUSERS_VERSION = "0.42.1"
 _PAD = {"replicate": "replicate", "constant": "zeros", "zeros": "zeros"}
@@ -690,132 +709,6 @@ class LTXUpsamplerParallel(ParallelStyle):
         return module
 
 
-# ---------------------------------------------------------------- Wan (encoder)
-class _WanTimeDown(nn.Module):
-    """What `WanResample("downsample3d")` computes inside `AutoencoderKLWan._encode`'s chunk
-    loop, over the whole sequence: each frame resampled in H and W, then the first frame
-    kept and `time_conv` (kernel 3, stride 2, no padding along T) over the rest, so output
-    m >= 1 reads frames 2m-2..2m (the loop's cached last frame of the previous chunk is
-    frame 2m-2)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.resample, self.time_conv = module.resample, module.time_conv
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, c, t, h, w = x.shape
-        y = self.resample(x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w))
-        y = y.view(b, t, y.size(1), y.size(2), y.size(3)).permute(0, 2, 1, 3, 4)
-        if t < 3:
-            return y[:, :, :1]
-        return torch.cat([y[:, :, :1], self.time_conv(y)], dim=2)
-
-
-class _WanDownForward:
-    previous: Callable[..., Any] | None = None
-
-    def __init__(self, module: nn.Module, down: nn.Module) -> None:
-        self.module, self.down = module, down
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _WanDownForward:
-        return _local_forward_copy(self, memo)
-
-    def __call__(self, x: torch.Tensor, feat_cache: Any = None, feat_idx: Any = None
-                 ) -> torch.Tensor:
-        if feat_cache is not None:
-            raise HaloError("WanDownsampleParallel computes the chunk loop's result over the "
-                            "whole sequence: call the encoder without feat_cache "
-                            "(haloshard.integrations.diffusers.wan_encode)")
-        return self.down(x)
-
-
-class WanDownsampleParallel(ParallelStyle):
-    """`WanResample("downsample3d")` on `Shard(T)` as `AutoencoderKLWan.encode` runs it.
-
-    Outside the encode chunk loop (no feature cache) the module does not downsample T at
-    all; inside it, chunks of 1, 4, 4, ... frames with a cached last frame make it "keep
-    frame 0, then a stride-2 conv over frames 2m-2..2m". This style computes that over the
-    whole sequence, on windows of `FirstFrameParallel(2, "down")` (T must be odd).
-
-    Raises:
-        HaloError: in `_apply` for another class or mode; at run time with a feat_cache.
-    """
-
-    def __init__(self, *, dim: int = 2) -> None:
-        super().__init__()
-        self.dim = dim
-
-    def __repr__(self) -> str:
-        return f"WanDownsampleParallel(dim={self.dim})"
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _check_class(module, "WanResample", "WanDownsampleParallel")
-        conv = getattr(module, "time_conv", None)
-        if module.mode != "downsample3d" or conv is None or tuple(conv.kernel_size) != (
-                3, 1, 1) or conv.stride[0] != 2 or conv._padding[4] != 0:
-            raise HaloError(f"WanDownsampleParallel expects mode 'downsample3d' with a (3, 1, "
-                            f"1) stride-2 time_conv, got mode {module.mode!r}")
-        down = _WanTimeDown(module)
-        FirstFrameParallel(2, "down", dim=self.dim)._apply(down, device_mesh)
-        _install(module, _WanDownForward(module, down))
-        return module
-
-
-def _wan_conv(module: nn.Module) -> ParallelStyle:
-    """`WanCausalConv3d` outside a resample: zero-pads `2 * padding` frames on the left with
-    `F.pad` (the encode loop's cache holds exactly those frames), stride 1 along T."""
-    left, k = module._padding[4], module.kernel_size[0]
-    if module.stride[0] != 1 or module.dilation[0] != 1 or left != k - 1:
-        raise HaloError(f"a WanCausalConv3d with kernel {k}, stride {module.stride[0]}, "
-                        f"dilation {module.dilation[0]} and causal padding {left} along T is "
-                        "not planned; expected stride 1, dilation 1, padding kernel - 1")
-    return LocalParallel() if k == 1 else HaloParallel(HaloShard(2, left=left, pad="zeros"))
-
-
-def _wan_resample(module: nn.Module) -> ParallelStyle | None:
-    if module.mode == "downsample3d":
-        return WanDownsampleParallel()
-    if module.mode == "downsample2d":
-        return FramewiseParallel()
-    if module.mode == "none":
-        return None
-    raise HaloError(f"WanResample mode {module.mode!r} (the decoder's chunk loop) is not "
-                    "supported yet; plan the encoder only: plan_for(vae.encoder)")
-
-
-def _refuse(reason: str) -> Callable[[nn.Module], ParallelStyle]:
-    def rule(module: nn.Module) -> ParallelStyle:
-        raise HaloError(f"{type(module).__name__}: {reason}")
-    return rule
-
-
-def wan_encode(vae: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`AutoencoderKLWan._encode(x)` (the posterior's moments) on a `Shard(T)` DTensor, with
-    `vae.encoder` and `vae.quant_conv` parallelized with `plan_for(vae.encoder)` and
-    `{"quant_conv": LocalParallel()}`.
-
-    The chunk loop of `_encode` (1, then 4 frames at a time, each conv fed the previous
-    chunk's last frames from a cache) equals the encoder run once over all frames with its
-    temporal downsamplers as `WanDownsampleParallel` computes them; frames beyond the last
-    whole chunk are dropped by the loop, so T must be 1 + 4k.
-
-    Raises:
-        HaloError: when T is not 1 + 4k, or tiling or a patch size is configured.
-
-    Example::
-        >>> wan_encode(vae, distribute_tensor(video, mesh, [Shard(2)])).shape  # T = 17
-        torch.Size([1, 32, 5, 8, 8])
-    """
-    frames = x.shape[2]
-    if frames % 4 != 1:
-        raise HaloError(f"wan_encode needs T = 1 + 4k frames (the encode loop drops the "
-                        f"frames after the last whole chunk of 4), got T={frames}")
-    if vae.use_tiling or vae.config.patch_size is not None:
-        raise HaloError("wan_encode supports neither tiling nor a patch size (Wan 2.2): "
-                        f"use_tiling={vae.use_tiling}, patch_size={vae.config.patch_size}")
-    return vae.quant_conv(vae.encoder(x))
-
-
 # ---------------------------------------------------------------- plans
 # class name -> (style for it, whether the style covers the module's children too: all of
 # them, or the named ones)
@@ -888,17 +781,7 @@ _LTX: dict[str, _Rule] = {
     "LayerNorm": (lambda m: FramewiseParallel(dim=1), True),
 }
 
-_WAN: dict[str, _Rule] = {
-    "WanCausalConv3d": (_wan_conv, True),
-    "WanResample": (_wan_resample, True),
-    "WanRMS_norm": (lambda m: FramewiseParallel(), True),  # over channels, per position
-    "WanAttentionBlock": (lambda m: FramewiseParallel(), True),  # attention within a frame
-    "AvgDown3D": (_refuse("Wan 2.2's residual downsampler is not supported yet"), True),
-    "DupUp3D": (_refuse("Wan 2.2's residual upsampler is not supported yet"), True),
-}
-
 _PLANS: dict[str, dict[str, _Rule]] = {
-    "WanEncoder3d": _WAN,
     "AutoencoderKLLTXVideo": _LTX,
     "LTXVideoEncoder3d": _LTX,
     "LTXVideoDecoder3d": _LTX,
@@ -943,6 +826,10 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
         torch.Size([1, 3, 17, 64, 64])
     """
     rules = _PLANS.get(type(module).__name__)
+    if type(module).__name__ in ("AutoencoderKLWan", "WanEncoder3d", "WanDecoder3d"):
+        raise HaloError(f"{type(module).__name__}: Wan's encode is a chunk loop with a feature "
+                        "cache; use wan_encoder_plan(vae) and wan_encode(vae, x) (the encoder "
+                        "only)")
     if rules is None:
         raise HaloError(f"no haloshard plan for {type(module).__name__}; supported: "
                         f"{sorted(_PLANS)} (diffusers=={DIFFUSERS_VERSION})")
