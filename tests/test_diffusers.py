@@ -22,19 +22,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor.parallel import parallelize_module
 
 from haloshard import HaloError, LocalParallel, verify_plan
 from haloshard.integrations.diffusers import plan_for
 from haloshard.testing import (
-    assert_close_per_rank,
-    rank_map,
     seeded_randn,
-    shard,
-    sharded,
     simulated_mesh,
     single_device,
-    sum_over_ranks,
     worker_mesh,
 )
 
