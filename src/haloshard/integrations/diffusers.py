@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from haloshard._attention import gather_along
-from haloshard._errors import HaloError
+from haloshard._errors import HaloError, named
 from haloshard._hooks import (
     _HANDLE,
     Annotation,
@@ -63,6 +63,8 @@ from haloshard._hooks import (
     _Site,
     attach,
     handle_of,
+    module_name,
+    names_errors,
 )
 from haloshard._layer_styles import (
     CausalConvParallel,
@@ -190,6 +192,7 @@ class HunyuanUpsampleParallel(ParallelStyle):
     def __repr__(self) -> str:
         return f"HunyuanUpsampleParallel(dim={self.dim})"
 
+    @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "HunyuanVideoUpsampleCausal3D", "HunyuanUpsampleParallel")
         factor, wrapper = module.upsample_factor[0], module.conv
@@ -208,23 +211,50 @@ class HunyuanUpsampleParallel(ParallelStyle):
         return module
 
 
-# ---------------------------------------------------------------- HunyuanVideo mid-block
-class _MidBlockForward:
-    """The mid-block's forward on a `Shard(T)` DTensor; an object so deep copies rebind."""
+# ---------------------------------------------------------------- forwards of the styles here
+class _Forward:
+    """A module's replacement forward (`_install`): an object, not a closure, so deep copies
+    of the model rebind to the copy; HaloErrors name the module by its fqn."""
 
-    previous: Callable[..., Any] | None = None
+    name = ""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Forward:
+        import copy
+
+        new = copy.copy(self)
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()
+                             if k not in ("dim", "name")})
+        return new
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.run(*args, **kwargs)
+        except HaloError as error:
+            raise named(error, self.name) from error
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+def _install(module: nn.Module, forward: _Forward) -> None:
+    """Replace `module.forward` by `forward`; the handle (`halo_handles`) restores it."""
+    if handle_of(module) is not None:
+        raise HaloError(f"a haloshard style is already applied to {type(module).__name__}; "
+                        "call its handle's remove() first")
+    forward.previous = module.__dict__.get("forward")
+    forward.name = module_name(module)
+    module.forward = forward
+    setattr(module, _HANDLE, HaloHandle(module, {}, forward.previous))
+
+
+# ---------------------------------------------------------------- HunyuanVideo mid-block
+class _MidBlockForward(_Forward):
+    """The mid-block's forward on a `Shard(T)` DTensor."""
 
     def __init__(self, module: nn.Module, dim: int) -> None:
         self.module, self.dim = module, dim
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _MidBlockForward:
-        import copy
-
-        new = _MidBlockForward(copy.deepcopy(self.module, memo), self.dim)
-        new.previous = copy.deepcopy(self.previous, memo)
-        return new
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, DTensor):
             raise HaloError(f"HunyuanMidBlockParallel needs a Shard({self.dim}) DTensor input, "
                             f"got {type(x).__name__}")
@@ -310,6 +340,7 @@ class HunyuanMidBlockParallel(ParallelStyle):
     def __repr__(self) -> str:
         return f"HunyuanMidBlockParallel(dim={self.dim})"
 
+    @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "HunyuanVideoMidBlock3D", "HunyuanMidBlockParallel")
         for i, attn in enumerate(module.attentions):
@@ -319,34 +350,16 @@ class HunyuanMidBlockParallel(ParallelStyle):
         return module
 
 
-def _install(module: nn.Module, forward: Any) -> None:
-    """Replace `module.forward` by `forward`; the handle (`halo_handles`) restores it."""
-    if handle_of(module) is not None:
-        raise HaloError(f"a haloshard style is already applied to {type(module).__name__}; "
-                        "call its handle's remove() first")
-    forward.previous = module.__dict__.get("forward")
-    module.forward = forward
-    setattr(module, _HANDLE, HaloHandle(module, {}, forward.previous))
-
 
 # ---------------------------------------------------------------- CogVideoX spatial norm
-class _SpatialNormForward:
+class _SpatialNormForward(_Forward):
     """`CogVideoXSpatialNorm3D.forward(f, zq)` on `Shard(T)` DTensors f and zq."""
-
-    previous: Callable[..., Any] | None = None
 
     def __init__(self, module: nn.Module, dim: int) -> None:
         self.module, self.dim = module, dim
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _SpatialNormForward:
-        import copy
-
-        new = _SpatialNormForward(copy.deepcopy(self.module, memo), self.dim)
-        new.previous = copy.deepcopy(self.previous, memo)
-        return new
-
-    def __call__(self, f: torch.Tensor, zq: torch.Tensor,
-                 conv_cache: dict[str, Any] | None = None) -> tuple[DTensor, dict[str, Any]]:
+    def run(self, f: torch.Tensor, zq: torch.Tensor,
+            conv_cache: dict[str, Any] | None = None) -> tuple[DTensor, dict[str, Any]]:
         if not isinstance(f, DTensor) or not isinstance(zq, DTensor) or conv_cache:
             raise HaloError(f"CogSpatialNormParallel needs Shard({self.dim}) DTensors f and zq "
                             f"and no conv_cache, got {type(f).__name__}, {type(zq).__name__}, "
@@ -416,6 +429,7 @@ class CogSpatialNormParallel(ParallelStyle):
     def __repr__(self) -> str:
         return f"CogSpatialNormParallel(dim={self.dim})"
 
+    @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "CogVideoXSpatialNorm3D", "CogSpatialNormParallel")
         for name in ("conv_y", "conv_b"):
@@ -428,31 +442,16 @@ class CogSpatialNormParallel(ParallelStyle):
 
 
 # ---------------------------------------------------------------- Mochi
-def _local_forward_copy(obj: Any, memo: dict[int, Any]) -> Any:
-    """A deep copy of a forward object that shares its mesh (it names process groups)."""
-    import copy
-
-    new = copy.copy(obj)
-    new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in obj.__dict__.items()
-                         if k not in ("dim", "mesh")})
-    return new
-
-
-class _MochiBlockForward:
+class _MochiBlockForward(_Forward):
     """`MochiDownBlock3D` / `MochiMidBlock3D` forward on a `Shard(T)` DTensor: conv_in and
     resnets through their plan entries, each attention as `frame_attention` along T per
     pixel (causal)."""
 
-    previous: Callable[..., Any] | None = None
-
     def __init__(self, module: nn.Module, dim: int) -> None:
         self.module, self.dim = module, dim
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _MochiBlockForward:
-        return _local_forward_copy(self, memo)
-
-    def __call__(self, x: torch.Tensor, conv_cache: dict[str, Any] | None = None,
-                 chunk_size: int = 2**15) -> tuple[DTensor, dict[str, Any]]:
+    def run(self, x: torch.Tensor, conv_cache: dict[str, Any] | None = None,
+            chunk_size: int = 2**15) -> tuple[DTensor, dict[str, Any]]:
         if not isinstance(x, DTensor) or conv_cache:
             raise HaloError(f"MochiBlockParallel needs a Shard({self.dim}) DTensor input and no "
                             f"conv_cache, got {type(x).__name__}, conv_cache={bool(conv_cache)}")
@@ -534,6 +533,7 @@ class MochiBlockParallel(ParallelStyle):
     def __repr__(self) -> str:
         return f"MochiBlockParallel(dim={self.dim})"
 
+    @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if type(module).__name__ not in ("MochiDownBlock3D", "MochiMidBlock3D"):
             raise HaloError(f"MochiBlockParallel applies to diffusers' MochiDownBlock3D and "
@@ -583,17 +583,14 @@ class _MochiExpand(nn.Module):
         return h.reshape(b, -1, t * self.st, height * self.s, width * self.s)
 
 
-class _MochiUpForward:
-    previous: Callable[..., Any] | None = None
+class _MochiUpForward(_Forward):
+    """`MochiUpBlock3D.forward`: resnets through their entries, then `_MochiExpand`."""
 
     def __init__(self, module: nn.Module, expand: nn.Module) -> None:
         self.module, self.expand = module, expand
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _MochiUpForward:
-        return _local_forward_copy(self, memo)
-
-    def __call__(self, x: torch.Tensor, conv_cache: dict[str, Any] | None = None
-                 ) -> tuple[torch.Tensor, dict[str, Any]]:
+    def run(self, x: torch.Tensor, conv_cache: dict[str, Any] | None = None
+            ) -> tuple[torch.Tensor, dict[str, Any]]:
         if conv_cache:
             raise HaloError("MochiUpBlockParallel runs without a conv_cache, got one")
         h, cache = x, {}
@@ -618,6 +615,7 @@ class MochiUpBlockParallel(ParallelStyle):
     def __repr__(self) -> str:
         return f"MochiUpBlockParallel(dim={self.dim})"
 
+    @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "MochiUpBlock3D", "MochiUpBlockParallel")
         expand = _MochiExpand(module)
@@ -692,6 +690,7 @@ class LTXUpsamplerParallel(ParallelStyle):
     def __repr__(self) -> str:
         return f"LTXUpsamplerParallel(dim={self.dim})"
 
+    @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "LTXVideoUpsampler3d", "LTXUpsamplerParallel")
         if module.residual or module.upscale_factor != 1:
