@@ -670,7 +670,8 @@ class ConvDepthToSpaceStencil:
     def window(self, start: int, stop: int) -> tuple[int, int, int]:
         f, drop = self.factor, self.factor - 1
         first, last = (start + drop) // f, (stop - 1 + drop) // f
-        i0 = max(0, first - self.before)
+        # the module drops its window's first `drop` frames too: start no later than start//f
+        i0 = max(0, min(first - self.before, start // f))
         return i0, last + 1 + self.after, start - i0 * f
 
 
