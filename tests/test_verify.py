@@ -84,6 +84,17 @@ def test_verify_simulated(world: int) -> None:
         case_toy(mesh)
 
 
+@pytest.mark.simulated
+def test_verify_cp_axis_of_2d_mesh() -> None:
+    """On the cp axis of a (dp, cp) mesh: the input is Replicate on dp, Shard(2) on cp."""
+    model, x, plan = toy(2)
+    with simulated_mesh((2, 3), mesh_dim_names=("dp", "cp")) as mesh:
+        assert verify_plan(model, plan, x, mesh, mesh_axis="cp", **TOL).ok
+        report = verify_plan(model, {**plan, "norm": LocalParallel()}, x, mesh,
+                             mesh_axis="cp", **TOL)
+    assert report.first is not None and report.first.fqn == "norm", report
+
+
 class Backward(torch.autograd.Function):
     """Identity forward, doubled gradient: wrong only in backward."""
 
