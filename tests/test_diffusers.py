@@ -186,10 +186,14 @@ def test_plan_errors() -> None:
         plan_for(wan)
 
 
-def on_gloo() -> None:
-    check("hunyuan", "decoder", worker_mesh(dist.get_world_size()))
+def on_gloo(part: str) -> None:
+    check("hunyuan", part, worker_mesh(dist.get_world_size()))
 
 
 @pytest.mark.gloo
-def test_gloo(gloo: Callable[[int], Any]) -> None:
-    gloo(2).run(on_gloo, timeout=300)
+@pytest.mark.parametrize(("part", "world"), [
+    ("decoder", 2),  # 3 latent frames: 2, 1
+    ("encoder", 4),  # 3, 3, 3, 0: a real process with no frame runs no diffusers attention
+])
+def test_gloo(gloo: Callable[[int], Any], part: str, world: int) -> None:
+    gloo(world).run(on_gloo, part, timeout=300)
