@@ -588,16 +588,16 @@ def _keywords(positional: tuple[Any, ...], *named: Any) -> tuple[Any, ...]:
     if len(positional) > len(names):
         raise TypeError(f"halo_exchange takes at most {len(names) + 1} positional arguments, "
                         f"got {len(positional) + 1}")
+    values = [*positional, *named[len(positional):]]
+    for i, (name, value, given) in enumerate(zip(names, values, named, strict=True)):
+        if given is not None and i < len(positional):
+            raise TypeError(f"halo_exchange got {name} both by position and by keyword")
+        if value is None:
+            raise TypeError(f"halo_exchange() missing the keyword argument {name!r}")
     if positional:
         warnings.warn("halo_exchange(x, left, right, dim, group) is deprecated: pass "
                       "halo_exchange(x, left=..., right=..., dim=..., group=...)",
                       DeprecationWarning, stacklevel=3)
-    values = [*positional, *named[len(positional):]]
-    for name, value, given in zip(names, values, named, strict=True):
-        if given is not None and positional and names.index(name) < len(positional):
-            raise TypeError(f"halo_exchange got {name} both by position and by keyword")
-        if value is None:
-            raise TypeError(f"halo_exchange() missing the keyword argument {name!r}")
     return tuple(values)
 
 
