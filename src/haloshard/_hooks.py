@@ -553,9 +553,15 @@ def _output(y: torch.Tensor, site: _Site, plan: WindowPlan, annotation: Annotati
     if not (isinstance(start, int) and isinstance(length, int) and start == 0
             and length == y.shape[dim]):
         y = y.narrow(dim, start, length)
+    return rewrap(y, site, dim, plan.out_length)
+
+
+def rewrap(y: torch.Tensor, site: _Site, dim: int, length: int) -> Any:
+    """This rank's output chunk `y` as the input came: plain for a plain chunk, else a
+    `Shard(dim)` DTensor on the input's mesh and placements, `length` long along dim."""
     if site.placements is None:
         return y
-    shape = _global_shape(y, site, dim, plan.out_length)
+    shape = _global_shape(y, site, dim, length)
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     return DTensor.from_local(y, site.mesh, site.placements, run_check=False, shape=shape,
                               stride=stride)
@@ -681,7 +687,7 @@ def _packed_conv(forward: _HaloForward, site: _Site) -> Any:
     module, dim = forward.module, forward.annotation.dim
     spec = forward.annotation.spec
     if spec is not None and not isinstance(module, DERIVABLE):
-        return _rewrap(_packed_wrapper(forward, site, spec), site, dim)
+        return rewrap(_packed_wrapper(forward, site, spec), site, dim, site.length)
     # known_forward() sees the halo forward now attached: ask about the class instead.
     own = forward.previous is None and any(
         type(module).forward is conv.forward for conv in _CONVS)
@@ -695,17 +701,7 @@ def _packed_conv(forward: _HaloForward, site: _Site) -> Any:
                     padding=forward.saved["padding"], pad=module.padding_mode,
                     stride=module.stride, dilation=module.dilation, groups=module.groups,
                     global_length=site.length)
-    return _rewrap(y, site, dim)
-
-
-def _rewrap(y: torch.Tensor, site: _Site, dim: int) -> Any:
-    """A `Shard(dim)` DTensor on the input's mesh for DTensor input (same length)."""
-    if site.placements is None:
-        return y
-    shape = _global_shape(y, site, dim, site.length)
-    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    return DTensor.from_local(y, site.mesh, site.placements, run_check=False, shape=shape,
-                              stride=stride)
+    return rewrap(y, site, dim, site.length)
 
 
 def _packed_wrapper(forward: _HaloForward, site: _Site, spec: HaloShard) -> torch.Tensor:
