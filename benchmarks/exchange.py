@@ -92,7 +92,8 @@ def rank_bench(iters: int) -> dict[str, object]:
     send = torch.randn(world, halo_bytes // full.element_size() // max(world - 1, 1))
     contenders = {"F.pad": lambda t: F.pad(t, (0, 0, 0, 0, LEFT, RIGHT)),
                   "F.pad+move": lambda t: _PadBesideMove.apply(t, send)} | {
-        tr: lambda t, tr=tr: halo_exchange(t, LEFT, RIGHT, 2, mesh, transport=tr)
+        tr: lambda t, tr=tr: halo_exchange(t, left=LEFT, right=RIGHT, dim=2, group=mesh,
+                                           transport=tr)
         for tr in TRANSPORTS}
     _fwd_bwd(contenders, x, 5)  # untimed: plans, buffers, first collectives, the heap
     return {name: (*times, sent[name] / halo_bytes) if name in sent else times

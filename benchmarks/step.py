@@ -64,7 +64,8 @@ def rank_step(iters: int, compile_step: bool) -> dict[str, float]:
                          global_length=length, overlap=False)
 
     def exchange_first(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return F.conv3d(halo_exchange(x, 1, 1, 2, mesh, global_length=length), w,
+        return F.conv3d(halo_exchange(x, left=1, right=1, dim=2, group=mesh, global_length=length),
+                                      w,
                         padding=(0, 1, 1))
 
     def naive(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

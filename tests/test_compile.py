@@ -22,7 +22,8 @@ def compiled_exchange(backend: str) -> list[str]:
 
         def step(x: torch.Tensor, left: int = left, right: int = right,
                  pad: str = pad) -> torch.Tensor:
-            return halo_exchange(x, left, right, 2, mesh, pad=pad, global_length=7) * 2.0
+            return halo_exchange(x, left=left, right=right, dim=2, group=mesh, pad=pad,
+                                 global_length=7) * 2.0
 
         fn = torch.compile(step, fullgraph=True, backend=backend)
         x = shard(full, 2, world, rank).clone().requires_grad_()
@@ -40,8 +41,8 @@ def compiled_exchange(backend: str) -> list[str]:
 
 def compile_without_length() -> str:
     mesh = worker_mesh(dist.get_world_size())
-    fn = torch.compile(lambda x: halo_exchange(x, 1, 0, 2, mesh), fullgraph=True,
-                       backend="eager")
+    fn = torch.compile(lambda x: halo_exchange(x, left=1, right=0, dim=2, group=mesh),
+                       fullgraph=True, backend="eager")
     try:
         fn(torch.ones(1, 1, 2))
     except Exception as exc:  # dynamo wraps the HaloError raised while tracing

@@ -46,6 +46,7 @@ from haloshard.testing import (
     check_module,
     module_reference,
     rank_map,
+    seeded_module,
     seeded_randn,
     shard,
     sharded,
@@ -62,11 +63,7 @@ T = 7
 
 
 def _seeded(module: nn.Module, seed: int) -> nn.Module:
-    module = module.double()
-    with torch.no_grad():
-        for i, p in enumerate(module.parameters()):
-            p.copy_(seeded_randn(tuple(p.shape), seed + i) * 0.25)
-    return module
+    return seeded_module(module, seed, scale=0.25)
 
 
 

@@ -47,8 +47,10 @@ def bad_call(case: str) -> str:
     elif case == "not_a_shard_split":
         x = full.narrow(2, 0, 4) if rank == 0 else full.narrow(2, 4, 1)
     elif case == "global_length_wrong":
-        return _outcome(lambda: halo_exchange(x, 1, 1, 2, mesh, global_length=9))
-    return _outcome(lambda: halo_exchange(x, args["left"], args["right"], args["dim"], mesh,
+        return _outcome(lambda: halo_exchange(x, left=1, right=1, dim=2, group=mesh,
+                                              global_length=9))
+    return _outcome(lambda: halo_exchange(x, left=args["left"], right=args["right"],
+                                          dim=args["dim"], group=mesh,
                                           pad=args["pad"], transport=args["transport"]))
 
 
@@ -89,8 +91,8 @@ def not_in_group() -> str:
     pair = dist.new_group([0, 1])
     x = torch.ones(1, 1, 2)
     if rank == 2:  # dist.new_group left this rank out
-        return _outcome(lambda: halo_exchange(x, 1, 0, 2, pair))
-    return _outcome(lambda: halo_exchange(x, 1, 0, 2, pair))
+        return _outcome(lambda: halo_exchange(x, left=1, right=0, dim=2, group=pair))
+    return _outcome(lambda: halo_exchange(x, left=1, right=0, dim=2, group=pair))
 
 
 @pytest.mark.gloo
@@ -105,9 +107,9 @@ def test_bad_group_type_and_p2p_in_simulation() -> None:
     with simulated_mesh(2) as mesh:
         x = rank_map(mesh, lambda r: torch.ones(1, 1, 2))
         with pytest.raises(HaloError, match=r"group must be a ProcessGroup.* got int"):
-            halo_exchange(x, 1, 0, 2, 3)  # type: ignore[arg-type]
+            halo_exchange(x, left=1, right=0, dim=2, group=3)  # type: ignore[arg-type]
         with pytest.raises(HaloError, match="transport='p2p' needs real processes"):
-            halo_exchange(x, 1, 0, 2, mesh, transport="p2p")
+            halo_exchange(x, left=1, right=0, dim=2, group=mesh, transport="p2p")
 
 
 @pytest.mark.simulated
@@ -115,9 +117,9 @@ def test_two_d_mesh_needs_an_axis() -> None:
     with simulated_mesh((2, 2), mesh_dim_names=("dp", "cp")) as mesh:
         x = rank_map(mesh, lambda r: torch.ones(1, 1, 2), mesh_axis="cp")
         with pytest.raises(HaloError, match=r"needs an axis: pass \(mesh, mesh_axis\)"):
-            halo_exchange(x, 1, 0, 2, mesh)
+            halo_exchange(x, left=1, right=0, dim=2, group=mesh)
         with pytest.raises(HaloError, match="mesh axis 'tp' is not one of"):
-            halo_exchange(x, 1, 0, 2, (mesh, "tp"))
+            halo_exchange(x, left=1, right=0, dim=2, group=(mesh, "tp"))
 
 
 def one_rank_raises() -> str:
@@ -127,8 +129,8 @@ def one_rank_raises() -> str:
     if dist.get_rank() == 1:
         return "raised ValueError in its own code"
     start = time.perf_counter()
-    outcome = _outcome(lambda: halo_exchange(torch.ones(1, 1, 3), 1, 1, 2,
-                                             worker_mesh(dist.get_world_size())))
+    outcome = _outcome(lambda: halo_exchange(torch.ones(1, 1, 3), left=1, right=1, dim=2,
+                                             group=worker_mesh(dist.get_world_size())))
     return f"{outcome} after {time.perf_counter() - start:.0f}s"
 
 
@@ -145,3 +147,25 @@ def test_failure_on_one_rank_is_bounded() -> None:
     assert failed == "raised ValueError in its own code"
     assert waiting.startswith("HaloError: the halo metadata exchange did not complete")
     assert int(waiting.rsplit(" after ", 1)[1].rstrip("s")) <= 30
+
+
+def test_halo_exchange_refuses_the_internal_pad_modes() -> None:
+    """`reflect-or-zeros` / `circular-or-zeros` are the hooks' own modes, not the API's."""
+    with simulated_mesh(2) as mesh:
+        x = rank_map(mesh, lambda r: torch.zeros(1, 1, 3))
+        with pytest.raises(HaloError, match=r"pad must be one of .* got 'reflect-or-zeros'"):
+            halo_exchange(x, left=1, right=1, dim=2, group=mesh, pad="reflect-or-zeros")
+
+
+def test_halo_exchange_positional_form_is_deprecated() -> None:
+    """The 0.1 positional form still works for one release, with a DeprecationWarning."""
+    with simulated_mesh(2) as mesh:
+        x = rank_map(mesh, lambda r: torch.arange(3.0).reshape(1, 1, 3) + 3 * r)
+        with pytest.warns(DeprecationWarning, match="left=..., right=..., dim=..., group="):
+            old = halo_exchange(x, 1, 1, 2, mesh)
+        new = halo_exchange(x, left=1, right=1, dim=2, group=mesh)
+        assert torch.equal(old, new)
+        with pytest.raises(TypeError, match="missing the keyword argument 'group'"):
+            halo_exchange(x, left=1, right=1, dim=2)
+        with pytest.raises(TypeError, match="left both by position and by keyword"):
+            halo_exchange(x, 1, left=1, right=1, dim=2, group=mesh)

@@ -46,7 +46,7 @@ def case_exchange(mesh: DeviceMesh, ndim: int, dim: int, length: int, left: int,
     full = _data(tuple(shape), dtype, seed)
     world = mesh.size()
     x = rank_map(mesh, lambda r: shard(full, dim, world, r).clone()).requires_grad_()
-    y = halo_exchange(x, left, right, dim, mesh, pad=pad, transport=transport)
+    y = halo_exchange(x, left=left, right=right, dim=dim, group=mesh, pad=pad, transport=transport)
     assert_close_per_rank(y, lambda r: reference_halo(full, left, right, dim, world, r, pad),
                           mesh)
 
@@ -169,7 +169,7 @@ def test_simulated_2d_mesh_uneven_batch() -> None:
 
         x = maybe_run_for_local_tensor(local)(mesh.get_local_rank("dp"),
                                               mesh.get_local_rank("cp"))
-        y = halo_exchange(x, 2, 1, 2, (mesh, "cp"), pad="replicate")
+        y = halo_exchange(x, left=2, right=1, dim=2, group=(mesh, "cp"), pad="replicate")
 
         def check(out: torch.Tensor, dp: int, cp: int) -> None:
             want = reference_halo(shard(full, 0, 2, dp), 2, 1, 2, 2, cp, "replicate")
@@ -210,10 +210,11 @@ def case_writes(mesh: DeviceMesh, transport: str) -> None:
     buffers that are overwritten."""
     chunk = torch.randn(1, 16, 8, 4, 4, requires_grad=True)
     slice_ = chunk.numel() // chunk.shape[2]
-    y = halo_exchange(chunk, 1, 1, 2, mesh, transport=transport)  # plans, cached index tensors
+    # plans, cached index tensors
+    y = halo_exchange(chunk, left=1, right=1, dim=2, group=mesh, transport=transport)
     grad = torch.ones_like(y)
     with _Writes() as fwd:
-        y = halo_exchange(chunk, 1, 1, 2, mesh, transport=transport)
+        y = halo_exchange(chunk, left=1, right=1, dim=2, group=mesh, transport=transport)
     with _Writes() as bwd:
         torch.autograd.grad(y, chunk, grad)
     metadata = 64  # the agreement's int rows: 2 ranks x 18 fields, less than a slice

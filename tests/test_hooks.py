@@ -35,6 +35,7 @@ from haloshard.testing import (
     check_module,
     module_reference,
     rank_map,
+    seeded_module,
     seeded_randn,
     shard,
     sharded,
@@ -50,11 +51,7 @@ TOL = {"atol": 1e-12, "rtol": 1e-10}
 
 
 def _seeded(module: nn.Module, seed: int) -> nn.Module:
-    module = module.double()
-    with torch.no_grad():
-        for i, p in enumerate(module.parameters()):
-            p.copy_(seeded_randn(tuple(p.shape), seed + i))
-    return module
+    return seeded_module(module, seed)
 
 
 

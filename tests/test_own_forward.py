@@ -29,6 +29,7 @@ from haloshard.testing import (
     assert_close_per_rank,
     check_module,
     rank_map,
+    seeded_module,
     seeded_randn,
     shard,
     simulated_mesh,
@@ -40,11 +41,7 @@ TOL = {"atol": 1e-12, "rtol": 1e-10}
 
 
 def _seeded(module: nn.Module, seed: int) -> nn.Module:
-    module = module.double()
-    with torch.no_grad():
-        for i, p in enumerate(module.parameters()):
-            p.copy_(seeded_randn(tuple(p.shape), seed + i))
-    return module
+    return seeded_module(module, seed)
 
 
 class StandardisedConv3d(nn.Conv3d):

@@ -45,7 +45,7 @@ def case_dtypes(mesh: DeviceMesh) -> None:
     world = mesh.size()
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
         full = _full(dtype)
-        y = halo_exchange(_local(mesh, full), 2, 1, 2, mesh, pad="replicate")
+        y = halo_exchange(_local(mesh, full), left=2, right=1, dim=2, group=mesh, pad="replicate")
         assert_close_per_rank(y, lambda r, f=full: reference_halo(f, 2, 1, 2, world, r,
                                                                   "replicate"), mesh)
 
@@ -56,13 +56,14 @@ def case_layouts(mesh: DeviceMesh) -> None:
     expected = lambda r: reference_halo(full, 1, 1, 2, world, r)  # noqa: E731
     x = _local(mesh, full)
     last = x.contiguous(memory_format=torch.channels_last_3d)
-    y = halo_exchange(last, 1, 1, 2, mesh)
+    y = halo_exchange(last, left=1, right=1, dim=2, group=mesh)
     assert_close_per_rank(y, expected, mesh)
     assert y.is_contiguous(memory_format=torch.channels_last_3d)
     with single_device():
         transposed = full.transpose(3, 4).contiguous()
     strided = _local(mesh, transposed).transpose(3, 4)
-    assert_close_per_rank(halo_exchange(strided, 1, 1, 2, mesh), expected, mesh)
+    assert_close_per_rank(halo_exchange(strided, left=1, right=1, dim=2, group=mesh), expected,
+                                        mesh)
 
 
 def case_modes(mesh: DeviceMesh) -> None:
@@ -70,14 +71,15 @@ def case_modes(mesh: DeviceMesh) -> None:
     world, full = mesh.size(), _full()
     expected = lambda r: reference_halo(full, 2, 2, 2, world, r, "circular")  # noqa: E731
     x = _local(mesh, full)
-    y = halo_exchange(x, 2, 2, 2, mesh, pad="circular")
+    y = halo_exchange(x, left=2, right=2, dim=2, group=mesh, pad="circular")
     assert not y.requires_grad
     assert_close_per_rank(y, expected, mesh)
     with torch.no_grad():
-        assert_close_per_rank(halo_exchange(x.requires_grad_(), 2, 2, 2, mesh, pad="circular"),
+        assert_close_per_rank(halo_exchange(x.requires_grad_(), left=2, right=2, dim=2, group=mesh,
+                                            pad="circular"),
                               expected, mesh)
     empty = _full(batch=0)
-    y0 = halo_exchange(_local(mesh, empty).requires_grad_(), 1, 1, 2, mesh)
+    y0 = halo_exchange(_local(mesh, empty).requires_grad_(), left=1, right=1, dim=2, group=mesh)
     assert_close_per_rank(y0, lambda r: reference_halo(empty, 1, 1, 2, world, r), mesh)
     y0.sum().backward()
 
@@ -85,7 +87,7 @@ def case_modes(mesh: DeviceMesh) -> None:
 def case_inference_mode(mesh: DeviceMesh) -> None:
     world, full = mesh.size(), _full()
     with torch.inference_mode():
-        y = halo_exchange(_local(mesh, full), 1, 2, 2, mesh, pad="reflect")
+        y = halo_exchange(_local(mesh, full), left=1, right=2, dim=2, group=mesh, pad="reflect")
     assert_close_per_rank(y, lambda r: reference_halo(full, 1, 2, 2, world, r, "reflect"),
                           mesh)
 
@@ -99,7 +101,8 @@ def case_deterministic(mesh: DeviceMesh) -> None:
         runs = []
         for _ in range(2):
             x = _local(mesh, full).requires_grad_()
-            y = halo_exchange(x, 3, 1, 2, mesh, pad="replicate", transport=transport)
+            y = halo_exchange(x, left=3, right=1, dim=2, group=mesh, pad="replicate",
+                              transport=transport)
             (y * y).sum().backward()
             runs.append((y.detach(), x.grad))
         assert_close_per_rank(runs[0][0], _picker(runs[1][0], mesh), mesh)
@@ -130,7 +133,7 @@ def case_checkpoint(mesh: DeviceMesh) -> None:
                              dtype=torch.float64)
 
     def layer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return F.conv3d(halo_exchange(x, 2, 0, 2, mesh, pad="replicate"), w)
+        return F.conv3d(halo_exchange(x, left=2, right=0, dim=2, group=mesh, pad="replicate"), w)
 
     grads = []
     for use_checkpoint in (False, True):

@@ -118,7 +118,7 @@ def _exchange_case(mesh: DeviceMesh, rank: int, case: str) -> None:
         x = x.to_sparse()
     elif case == "unlisted_dtypes":
         x = x.to(torch.float8_e4m3fn if rank == 0 else torch.float8_e5m2)
-    halo_exchange(x, left, 1, 2, mesh)
+    halo_exchange(x, left=left, right=1, dim=2, group=mesh)
 
 
 CASES: dict[str, tuple[Callable[[DeviceMesh, int, str], None], str]] = {
@@ -148,7 +148,8 @@ def every_case(names: list[str]) -> dict[str, list[tuple[str, float]]]:
     """Each case on this rank: (what it raised, seconds); then a good exchange still works."""
     rank, mesh = dist.get_rank(), worker_mesh(2)
     got = {name: _outcome(lambda n=name: CASES[n][0](mesh, rank, n)) for name in names}
-    got["afterwards"] = _outcome(lambda: halo_exchange(torch.ones(1, 1, 3), 1, 1, 2, mesh))
+    got["afterwards"] = _outcome(lambda: halo_exchange(torch.ones(1, 1, 3), left=1, right=1, dim=2,
+                                                       group=mesh))
     return got  # type: ignore[return-value]
 
 
@@ -209,7 +210,8 @@ def compiled_lengths(case: str) -> tuple[str, float]:
     mesh = worker_mesh(2)
     x = torch.ones(1, 2, 4)  # T = 8 split (4, 4)
     length = {"too_small": 6, "too_large": 10, "right": 8}[case]
-    fn = torch.compile(lambda t: halo_exchange(t, 1, 1, 2, mesh, global_length=length),
+    fn = torch.compile(lambda t: halo_exchange(t, left=1, right=1, dim=2, group=mesh,
+                                               global_length=length),
                        fullgraph=True, backend="eager")
     text, seconds = _outcome(lambda: fn(x))
     return text, seconds
@@ -241,7 +243,8 @@ def bounded_on_2d(timeout_s: float) -> dict[str, object]:
         text, seconds = "raised in its own code", 0.0
     else:
         with haloshard._comm.labelled("decoder.conv_in"):
-            text, seconds = _outcome(lambda: halo_exchange(x, 1, 1, 2, (mesh, "cp")))
+            text, seconds = _outcome(lambda: halo_exchange(x, left=1, right=1, dim=2, group=(mesh,
+                                                           "cp")))
     return {"before": before, "after": after, "text": text, "seconds": seconds}
 
 
@@ -249,7 +252,7 @@ def _scenario(name: str, group: dist.ProcessGroup) -> Callable[[], object]:
     """What rank 0 runs while rank 1 has raised (or skipped) before the same step."""
     x = torch.ones(1, 2, 2, 2, requires_grad=True)
     if name == "skipped backward":
-        y = halo_exchange(x, 1, 1, 2, group)
+        y = halo_exchange(x, left=1, right=1, dim=2, group=group)
         return lambda: y.sum().backward()
     if name == "group_norm forward":
         return lambda: group_norm(x, 2, None, None, 1e-5, group)

@@ -55,7 +55,7 @@ def body_exchange(mesh: DeviceMesh, length: int, left: int, right: int, pad: str
         return _weight(shape, dtype, r)
 
     x = rank_map(mesh, lambda r: shard(full, 2, world, r).clone()).requires_grad_()
-    y = halo_exchange(x, left, right, 2, mesh, pad=pad, transport=transport)
+    y = halo_exchange(x, left=left, right=right, dim=2, group=mesh, pad=pad, transport=transport)
     (y * rank_map(mesh, weight)).sum().backward()
     assert x.grad is not None
     return per_rank(y), per_rank(x.grad)
@@ -263,7 +263,7 @@ def test_simulated_mesh_2d_axis() -> None:
     full = torch.randn(1, 2, 5, 3, generator=torch.Generator().manual_seed(1))
     with simulated_mesh((2, 2), mesh_dim_names=("dp", "cp")) as mesh:
         x = rank_map(mesh, lambda r: shard(full, 2, 2, r), mesh_axis="cp")
-        y = halo_exchange(x, 2, 1, 2, (mesh, "cp"), pad="replicate")
+        y = halo_exchange(x, left=2, right=1, dim=2, group=(mesh, "cp"), pad="replicate")
         assert_close_per_rank(y, lambda r: reference_halo(full, 2, 1, 2, 2, r, "replicate"),
                               mesh, mesh_axis="cp")
     values = per_rank(y)

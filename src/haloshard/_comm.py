@@ -15,9 +15,11 @@ LocalTensorMode understand.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from itertools import accumulate
 from typing import Any, TypeVar
 
 import torch
@@ -171,16 +173,72 @@ def is_eager(buf: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Pending:
-    """A collective in flight: `wait()` returns its result once it has arrived."""
+    """A collective in flight: `wait()` returns its result once it has arrived.
+
+    A flagged all-to-all (`flags` set) receives each peer's rows followed by one status
+    element; `wait()` strips the flags and raises `HaloError` when a peer raised its flag.
+    """
 
     tensor: torch.Tensor
     works: tuple[Any, ...] = ()
     what: str = "halo exchange"
+    flags: _Flags | None = None
 
     def wait(self) -> torch.Tensor:
         for work in self.works:
             waited(self.what, work.wait)
-        return self.tensor
+        return self.tensor if self.flags is None else self.flags.unpack(self.tensor)
+
+
+@dataclass(frozen=True)
+class _Flags:
+    """Where a flagged all-to-all's status elements sit: after each peer's rows."""
+
+    recv_splits: tuple[int, ...]
+    row: tuple[int, ...]  # the shape of one row (a slice along the moved dim)
+
+    def unpack(self, flat: torch.Tensor) -> torch.Tensor:
+        per_row = math.prod(self.row)
+        ends = list(accumulate(n * per_row + 1 for n in self.recv_splits))
+        at = torch.tensor([end - 1 for end in ends], device=flat.device)
+        flags = flat.index_select(0, at)
+        pieces = [flat.narrow(0, end - n * per_row - 1, n * per_row)
+                  for n, end in zip(self.recv_splits, ends, strict=True)]
+        data = torch.cat(pieces).view(sum(self.recv_splits), *self.row)
+        if flat.device.type != "cpu":
+            # Deferred: checked on the device, no host sync (a failure is a device assert).
+            torch._assert_async(flags.eq(0).all(), "a peer raised HaloError for this layer")
+            return data
+        raised = [rank for rank, f in enumerate(flags.tolist()) if f]
+        if raised:
+            raise HaloError(
+                f"rank(s) {raised} of the group passed this halo layer a tensor that differs "
+                "from the one every rank agreed on at its first call with this global shape "
+                "(see the error on those ranks)")
+        return data
+
+
+def start_flagged_all_to_all(
+    buf: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: Group, flag: int
+) -> Pending:
+    """`start_all_to_all` whose message to every peer (itself included) ends in one status
+    element: 0, or 1 when this rank found a mistake and sends placeholder rows. The status
+    rides in the move that happens anyway, so an agreed layer needs no metadata collective
+    for a mistake on one rank to raise on every rank."""
+    buf = buf.contiguous()
+    row = tuple(buf.shape[1:])
+    per_row = math.prod(row)
+    send = buf.new_empty(sum(send_splits) * per_row + group.size)
+    flat, start, at = buf.reshape(-1), 0, 0
+    for n in send_splits:
+        send.narrow(0, at, n * per_row).copy_(flat.narrow(0, start, n * per_row))
+        send[at + n * per_row] = flag
+        start, at = start + n * per_row, at + n * per_row + 1
+    out = buf.new_empty(sum(recv_splits) * per_row + group.size)
+    work = dist.all_to_all_single(out, send, [n * per_row + 1 for n in recv_splits],
+                                  [n * per_row + 1 for n in send_splits], group=group.pg,
+                                  async_op=True)
+    return Pending(out, (work,), flags=_Flags(tuple(recv_splits), row))
 
 
 def gather_ints(values: torch.Tensor, group: Group, what: str = "halo metadata exchange"

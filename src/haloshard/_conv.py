@@ -18,7 +18,13 @@ import torch
 
 from haloshard._comm import GroupLike, Pending
 from haloshard._errors import HaloError
-from haloshard._exchange import HaloMove, empty_like_layout, memory_format, prepare_halo
+from haloshard._exchange import (
+    HaloMove,
+    Reuse,
+    empty_like_layout,
+    memory_format,
+    prepare_halo,
+)
 
 _conv = torch.ops.aten.convolution.default
 _conv_backward = torch.ops.aten.convolution_backward.default
@@ -206,7 +212,7 @@ def halo_conv(
     left: int, right: int, group: GroupLike, stride: int | tuple[int, ...] = 1,
     padding: int | tuple[int, ...] = 0, dilation: int | tuple[int, ...] = 1, groups: int = 1,
     pad: str = "zeros", transport: str | None = None, global_length: int | None = None,
-    overlap: bool = True,
+    overlap: bool = True, _reuse: Reuse | None = None,
 ) -> torch.Tensor:
     """`F.conv1d/2d/3d` on a `Shard(dim)` chunk, padded along `dim` by the halo.
 
@@ -218,7 +224,8 @@ def halo_conv(
         x: `(B, C, *spatial)` chunk of the global input along `dim` (a spatial dim).
         weight, bias, stride, padding, dilation, groups: as for `F.conv3d`; stride 1
             along `dim`.
-        left, right, pad, group, transport, global_length: as for `halo_exchange`.
+        left, right, pad, group, transport, global_length, _reuse: as for
+            `halo_exchange`.
         overlap: compute the interior while the halo travels (the default). It needs every
             chunk at least one kernel extent long; shorter chunks fall back to exchanging
             first, for all ranks alike. False always exchanges first.
@@ -233,7 +240,7 @@ def halo_conv(
     """
     problem, args = _conv_problem(x, weight, dim, left, right, stride, padding, dilation)
     move, lengths = prepare_halo(x, left, right, dim, group, pad=pad, transport=transport,
-                                 global_length=global_length, problem=problem)
+                                 global_length=global_length, problem=problem, reuse=_reuse)
     assert args is not None  # a problem raised on every rank in prepare_halo
     n = weight.ndim - 2
     split = overlap and min(lengths) >= left + right + 1 and move is not None

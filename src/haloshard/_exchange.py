@@ -11,20 +11,24 @@ from, on its owner.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 import zlib
+from collections.abc import Hashable
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any
 
 import torch
 from einops import rearrange
-from torch.distributed._local_tensor import maybe_run_for_local_tensor
+from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run_for_local_tensor
 
 from haloshard import _comm
 from haloshard._comm import Group, GroupLike
 from haloshard._errors import HaloError
 from haloshard._layout import LENIENT_PADS, PAD_MODES, check_pad_fits, shard_sizes
-from haloshard._plan import exchange_plan, halo_fill
+from haloshard._plan import HaloFill, exchange_plan, halo_fill
+from haloshard._simulated import per_rank
 
 TRANSPORTS: tuple[str, ...] = ("all_to_all", "p2p", "allgather")
 _DTYPES = (
@@ -134,14 +138,25 @@ def _check_rows(rows: list[list[int]], own_problem: str | None) -> None:
             )
 
 
+# What a call site (a halo layer) agreed on at earlier calls: its own row, every chunk length,
+# and the dtype and row shape to send placeholders in, by the call's global signature.
+Reuse = tuple[dict[Any, Any], Hashable]
+_REUSE_SIZE = 16
+
+
 def _agree(
     x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str,
     group: Group, global_length: int | None, problem: str | None = None,
-) -> tuple[int, tuple[int, ...]]:
-    """Validate on every rank at once; return the normalised dim and every chunk length.
+    reuse: Reuse | None = None,
+) -> tuple[int, tuple[int, ...], bool]:
+    """Validate on every rank at once; return the normalised dim, every chunk length, and
+    whether the move must carry status flags (an agreement was reused).
 
     `problem`: a mistake the caller found in its own arguments on this rank; it is
-    reported on every rank like one of the exchange's own.
+    reported on every rank like one of the exchange's own. `reuse`: the call site's store
+    and the call's global signature (the same on every rank, from DTensor metadata): a
+    signature agreed before is checked locally, with no collective, and a mistake on this
+    rank rides as a flag in the halo move instead, which raises on every rank.
     """
     problem = (problem or _tensor_problem(x)
                or _local_problem(x, left, right, dim, pad, transport)
@@ -153,17 +168,64 @@ def _agree(
             raise HaloError(problem or "under torch.compile pass global_length=")
         lengths = shard_sizes(global_length, group.size)
         _check_own_length(x.shape[dim], lengths, group.rank, dim)
-    else:
-        if isinstance(x, torch.Tensor):
-            row = _meta_row(x, left, right, dim, pad, transport, problem is not None)
-        else:  # nothing to describe: a row that says only "error"
-            row = torch.tensor([1] + [-1] * (len(_FIELDS) - 1), dtype=torch.int64)
-        rows = _comm.gather_ints(row, group)
-        _check_rows(rows, problem)
-        lengths = tuple(row[_LEN] for row in rows)
-        _check_lengths(lengths, global_length, dim)
+        check_pad_fits(sum(lengths), left, right, pad)
+        return dim % x.ndim, lengths, False
+    key = None
+    if (reuse is not None and transport == "all_to_all" and global_length is not None
+            and enabled_local_tensor_mode() is None):
+        key = (reuse[1], left, right, pad, dim, global_length, id(group.pg))
+        if key in reuse[0]:
+            return (*_reuse_agreed(x, left, right, dim, pad, transport, group,
+                                   reuse[0][key], problem), True)
+    if isinstance(x, torch.Tensor):
+        row = _meta_row(x, left, right, dim, pad, transport, problem is not None)
+    else:  # nothing to describe: a row that says only "error"
+        row = torch.tensor([1] + [-1] * (len(_FIELDS) - 1), dtype=torch.int64)
+    rows = _comm.gather_ints(row, group)
+    _check_rows(rows, problem)
+    lengths = tuple(row[_LEN] for row in rows)
+    _check_lengths(lengths, global_length, dim)
     check_pad_fits(sum(lengths), left, right, pad)
-    return dim % x.ndim, lengths
+    if key is not None:  # every rank agreed: every rank stores it (and evicts alike)
+        store = reuse[0]  # type: ignore[index]
+        if len(store) >= _REUSE_SIZE:
+            del store[next(iter(store))]
+        d = dim % x.ndim
+        store[key] = (rows[group.rank], lengths, x.dtype,
+                      tuple(n for i, n in enumerate(x.shape) if i != d), x.device)
+    return dim % x.ndim, lengths, False
+
+
+def _reuse_agreed(
+    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str,
+    group: Group, agreed: tuple[Any, ...], problem: str | None,
+) -> tuple[int, tuple[int, ...]]:
+    """A signature agreed before: check this rank's row against its agreed one, locally.
+
+    On a mistake, this rank still joins the halo move its peers are starting, with
+    placeholder rows and its flag raised (so every rank raises), then raises itself.
+    """
+    row, lengths, dtype, slice_shape, device = agreed
+    if problem is None:
+        own = _meta_row(x, left, right, dim, pad, transport, False).tolist()
+        wrong = [f for f, a, b in zip(_FIELDS, own, row, strict=True) if a != b]
+        if wrong:
+            problem = (f"this rank's tensor differs from the one agreed at this layer's first "
+                       f"call in {wrong}: got {shown_row(own)}, agreed {shown_row(row)}")
+    if problem is None:
+        return dim % x.ndim, lengths
+    if left or right:
+        recv, send, _ = _split_plan(group.rank, lengths, left, right, pad, group.size)
+        placeholder = torch.zeros((sum(send), *slice_shape), dtype=dtype, device=device)
+        moved = _comm.start_flagged_all_to_all(placeholder, recv, send, group, flag=1)
+        with contextlib.suppress(HaloError):  # this rank's own error is the one to raise
+            moved.wait()
+    raise HaloError(problem)
+
+
+def shown_row(row: list[int]) -> dict[str, Any]:
+    """A metadata row as a message shows it."""
+    return {f: shown(f, [v])[0] for f, v in zip(_FIELDS, row, strict=True) if v != -1}
 
 
 def _length_problem(global_length: object) -> str | None:
@@ -213,15 +275,15 @@ def _plan_tensors(
 def _fill_tensors(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device,
     gap: int | None,
-) -> tuple[torch.Tensor, ...]:
+) -> HaloFill[torch.Tensor]:
     plan = exchange_plan(rank, lengths, left, right, pad)
     fill = halo_fill(plan, lengths[rank] if gap is None else gap)
-    return tuple(_index(getattr(fill, f.name), device) for f in fields(fill))
+    return HaloFill(*(_index(getattr(fill, f.name), device) for f in fields(fill)))
 
 
 # Decorated once here: building the wrapper inside a compiled region breaks dynamo's guards.
 _rank_plan_tensors = maybe_run_for_local_tensor(_plan_tensors)
-_rank_fill_tensors = maybe_run_for_local_tensor(_fill_tensors)
+_rank_fill_tensors = per_rank(HaloFill)(_fill_tensors)
 
 
 @maybe_run_for_local_tensor
@@ -231,6 +293,13 @@ def _plan_ints(
     # A flat list: LocalTensorMode combines per-rank ints position by position.
     plan = exchange_plan(rank, lengths, left, right, pad)
     return [*plan.recv_splits, *plan.send_splits, plan.gather_len - len(plan.gather_idx)]
+
+
+def _split_plan(rank: Any, lengths: tuple[int, ...], left: int, right: int, pad: str,
+                world: int) -> tuple[list[Any], list[Any], Any]:
+    """(receive splits, send splits, allgather padding) of this rank's exchange."""
+    ints = _plan_ints(rank, lengths, left, right, pad)
+    return ints[:world], ints[world : 2 * world], ints[-1]
 
 
 def _front(ndim: int, dim: int) -> tuple[str, str]:
@@ -256,6 +325,7 @@ class _Route:
     gather_pad: Any
     to_front: str
     from_front: str
+    flagged: bool = False  # the forward move carries status flags (see `_agree`)
 
 
 def _forward_move(x: torch.Tensor, send_idx: torch.Tensor, gather_idx: torch.Tensor,
@@ -270,6 +340,9 @@ def _forward_move(x: torch.Tensor, send_idx: torch.Tensor, gather_idx: torch.Ten
         filler = mine.new_zeros((route.gather_pad, *mine.shape[1:]))
         return _comm.Pending(_comm.all_gather(torch.cat([mine, filler]), route.group))
     send = rearrange(x.index_select(route.dim, send_idx), route.to_front)
+    if route.flagged:
+        return _comm.start_flagged_all_to_all(send, route.recv_splits, route.send_splits,
+                                              route.group, flag=0)
     move = _comm.start_p2p if route.transport == "p2p" else _comm.start_all_to_all
     return move(send, route.recv_splits, route.send_splits, route.group)
 
@@ -327,7 +400,7 @@ class HaloMove:
     gather_pick: torch.Tensor
     route: _Route
 
-    def _fill_index(self, device: torch.device, gap: int | None) -> tuple[torch.Tensor, ...]:
+    def _fill_index(self, device: torch.device, gap: int | None) -> HaloFill[torch.Tensor]:
         r = self.route
         return _rank_fill_tensors(r.group.rank, r.lengths, r.left, r.right, r.pad, device, gap)
 
@@ -348,15 +421,14 @@ class HaloMove:
         if route.transport == "allgather":
             recv = recv.index_select(0, self.gather_pick)
         recv = rearrange(recv, route.from_front)
-        (recv_pos, own_pos, zero_pos, dup_recv_pos, dup_recv_slot, dup_own_pos, _,
-         dup_own_src) = self._fill_index(x.device, gap)
+        f = self._fill_index(x.device, gap)
         # Indexed along `dim` of `out` itself, never through a permuted view of it, so that
         # torch.compile turns each into an in-place index_put on the output.
-        out.index_copy_(dim, recv_pos, recv)
-        out.index_copy_(dim, own_pos, x.index_select(dim, self.self_idx))
-        out.index_fill_(dim, zero_pos, 0)
-        out.index_copy_(dim, dup_recv_pos, recv.index_select(dim, dup_recv_slot))
-        out.index_copy_(dim, dup_own_pos, x.index_select(dim, dup_own_src))
+        out.index_copy_(dim, f.recv_pos, recv)
+        out.index_copy_(dim, f.own_pos, x.index_select(dim, self.self_idx))
+        out.index_fill_(dim, f.zero_pos, 0)
+        out.index_copy_(dim, f.dup_recv_pos, recv.index_select(dim, f.dup_recv_slot))
+        out.index_copy_(dim, f.dup_own_pos, x.index_select(dim, f.dup_own_src))
 
     def assemble(self, x: torch.Tensor, moved: _comm.Pending, spare: Any = None
                  ) -> torch.Tensor:
@@ -391,12 +463,11 @@ class HaloMove:
         gradient of this rank's own copied slices).
         """
         dim = self.route.dim
-        (recv_pos, own_pos, _, dup_recv_pos, dup_recv_slot, dup_own_pos, dup_own_slot,
-         _) = self._fill_index(grad.device, gap)
-        g_recv = grad.index_select(dim, recv_pos).index_add_(
-            dim, dup_recv_slot, grad.index_select(dim, dup_recv_pos))
-        g_own = grad.index_select(dim, own_pos).index_add_(
-            dim, dup_own_slot, grad.index_select(dim, dup_own_pos))
+        f = self._fill_index(grad.device, gap)
+        g_recv = grad.index_select(dim, f.recv_pos).index_add_(
+            dim, f.dup_recv_slot, grad.index_select(dim, f.dup_recv_pos))
+        g_own = grad.index_select(dim, f.own_pos).index_add_(
+            dim, f.dup_own_slot, grad.index_select(dim, f.dup_own_pos))
         g_recv = rearrange(g_recv, self.route.to_front)
         return _backward_move(g_recv, self.gather_idx, self.gather_pick, self.route), g_own
 
@@ -433,34 +504,34 @@ class _HaloExchange(torch.autograd.Function):
 def prepare_halo(
     x: torch.Tensor, left: int, right: int, dim: int, group: GroupLike, *, pad: str = "zeros",
     transport: str | None = None, global_length: int | None = None,
-    problem: str | None = None,
+    problem: str | None = None, reuse: Reuse | None = None,
 ) -> tuple[HaloMove | None, tuple[int, ...]]:
     """Validate on every rank and plan one exchange; None when there is nothing to move.
 
-    `problem`: the caller's own finding on this rank (raised on every rank). Returns the
-    prepared move and every rank's chunk length along `dim`.
+    `problem`: the caller's own finding on this rank (raised on every rank). `reuse`: see
+    `_agree`. Returns the prepared move and every rank's chunk length along `dim`.
     """
     grp = _comm.resolve_group(group)
     transport = "all_to_all" if transport is None else transport
-    dim, lengths = _agree(x, left, right, dim, pad, transport, grp, global_length, problem)
+    dim, lengths, flagged = _agree(x, left, right, dim, pad, transport, grp, global_length,
+                                   problem, reuse)
     if left == right == 0:
         return None, lengths
     to_front, from_front = _front(x.ndim, dim)
     tensors = _rank_plan_tensors(grp.rank, lengths, left, right, pad, x.device)
-    ints = _plan_ints(grp.rank, lengths, left, right, pad)
-    world = grp.size
-    route = _Route(dim, left, right, pad, transport, grp, lengths, ints[:world],
-                   ints[world : 2 * world], ints[-1], to_front, from_front)
+    recv, send, gather_pad = _split_plan(grp.rank, lengths, left, right, pad, grp.size)
+    route = _Route(dim, left, right, pad, transport, grp, lengths, recv, send, gather_pad,
+                   to_front, from_front, flagged)
     return HaloMove(*tensors, route), lengths
 
 
 def halo_exchange(
     x: torch.Tensor,
-    left: int,
-    right: int,
-    dim: int,
-    group: GroupLike,
-    *,
+    *positional: Any,
+    left: int | None = None,
+    right: int | None = None,
+    dim: int | None = None,
+    group: GroupLike | None = None,
     pad: str = "zeros",
     transport: str | None = None,
     global_length: int | None = None,
@@ -476,6 +547,8 @@ def halo_exchange(
     Args:
         x: this rank's chunk; the ranks' chunks are `Shard(dim)`'s split of the global tensor
             (uneven and empty chunks included).
+        left, right, dim, group: keyword-only; the positional form of 0.1 still works for
+            one release, with a `DeprecationWarning`.
         left: slices to prepend; may exceed a neighbour's chunk (taken from several ranks).
         right: slices to append.
         dim: the sharded dimension.
@@ -497,10 +570,44 @@ def halo_exchange(
 
     Example::
         >>> # on 4 ranks, global T = 5 split (2, 2, 1, 0)
-        >>> y = halo_exchange(x, 2, 1, 2, mesh)  # x: (1, 8, T_r, 16, 16)
+        >>> y = halo_exchange(x, left=2, right=1, dim=2, group=mesh)  # x: (1, 8, T_r, 16, 16)
         >>> y.shape  # on rank 2
         torch.Size([1, 8, 4, 16, 16])
     """
+    left, right, dim, group = _keywords(positional, left, right, dim, group)
+    # The lenient pad modes are the hooks' own (`exchange`), not part of the public API.
+    problem = None if pad in PAD_MODES else f"pad must be one of {PAD_MODES}, got {pad!r}"
+    return exchange(x, left, right, dim, group, pad=pad, transport=transport,
+                    global_length=global_length, problem=problem)
+
+
+def _keywords(positional: tuple[Any, ...], *named: Any) -> tuple[Any, ...]:
+    """`halo_exchange(x, left, right, dim, group)`, the positional form of 0.1: still taken
+    for one release, with a `DeprecationWarning`."""
+    names = ("left", "right", "dim", "group")
+    if len(positional) > len(names):
+        raise TypeError(f"halo_exchange takes at most {len(names) + 1} positional arguments, "
+                        f"got {len(positional) + 1}")
+    values = [*positional, *named[len(positional):]]
+    for i, (name, value, given) in enumerate(zip(names, values, named, strict=True)):
+        if given is not None and i < len(positional):
+            raise TypeError(f"halo_exchange got {name} both by position and by keyword")
+        if value is None:
+            raise TypeError(f"halo_exchange() missing the keyword argument {name!r}")
+    if positional:
+        warnings.warn("halo_exchange(x, left, right, dim, group) is deprecated: pass "
+                      "halo_exchange(x, left=..., right=..., dim=..., group=...)",
+                      DeprecationWarning, stacklevel=3)
+    return tuple(values)
+
+
+def exchange(
+    x: torch.Tensor, left: int, right: int, dim: int, group: GroupLike, *, pad: str,
+    transport: str | None = None, global_length: int | None = None,
+    reuse: Reuse | None = None, problem: str | None = None,
+) -> torch.Tensor:
+    """`halo_exchange` for haloshard's own callers: also takes the lenient pad modes
+    (`reflect-or-zeros`, `circular-or-zeros`) and a problem found by the caller."""
     move, _ = prepare_halo(x, left, right, dim, group, pad=pad, transport=transport,
-                           global_length=global_length)
+                           global_length=global_length, problem=problem, reuse=reuse)
     return x if move is None else _HaloExchange.apply(x, move)

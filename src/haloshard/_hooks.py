@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from haloshard import _comm
 from haloshard._conv import halo_conv
 from haloshard._errors import HaloError, named
-from haloshard._exchange import halo_exchange
+from haloshard._exchange import Reuse, exchange
 from haloshard._layout import HaloShard, check_pad_fits, shard_size_and_offset
 from haloshard._specs import (
     _CONVS,
@@ -296,6 +296,9 @@ class _HaloForward:
         self.module, self.annotation, self.mesh = module, annotation, mesh
         self.saved, self.previous, self.overlap = saved, previous, overlap
         self.watch, self.name, self.local = watch, name or type(module).__name__, local
+        # Agreements of earlier calls, by global signature: a layer validates its arguments
+        # on every rank once per input signature, later calls issue no metadata collective.
+        self.agreed: dict[Any, Any] = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _HaloForward:
         # The mesh is shared, never copied: it names process groups.
@@ -303,7 +306,15 @@ class _HaloForward:
         new.module = copy.deepcopy(self.module, memo)
         new.saved = copy.deepcopy(self.saved, memo)
         new.previous = copy.deepcopy(self.previous, memo)
+        new.agreed = {}
         return new
+
+    def reuse(self, site: _Site) -> Reuse:
+        """This layer's store and the call's global signature: the same on every rank
+        (DTensor metadata, or the lengths every rank gathered for a plain chunk)."""
+        x = site.local
+        return self.agreed, (site.shape, x.dtype, x.requires_grad, torch.is_grad_enabled(),
+                             site.placements, id(site.mesh), site.axis)
 
     def original(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
@@ -335,9 +346,10 @@ class _HaloForward:
         plan = plan_windows(annotation.stencil, site.length, site.mesh.size(site.axis),
                             uniform=enabled_local_tensor_mode() is not None)
         if self.overlap and _overlappable(self.module, annotation, plan):
-            return _output(_overlapped_conv(self.module, site, plan, annotation), site, plan,
+            return _output(_overlapped_conv(self.module, site, plan, annotation,
+                                            self.reuse(site)), site, plan,
                            annotation)
-        window = _window(site, plan, annotation)
+        window = _window(site, plan, annotation, self.reuse(site))
         token = _INSIDE.set(True)
         try:
             with _NoPadAlong(annotation.dim, annotation.spec, window, watch=self.watch):
@@ -363,13 +375,13 @@ def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan) -
 
 
 def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
-                     annotation: Annotation) -> torch.Tensor:
+                     annotation: Annotation, reuse: Reuse) -> torch.Tensor:
     """The conv as `halo_conv`: its interior is computed while the halo travels."""
     return halo_conv(site.local, module.weight, module.bias, dim=annotation.dim,
                      left=plan.left, right=plan.right, group=(site.mesh, site.axis),
                      stride=module.stride, padding=module.padding, dilation=module.dilation,
                      groups=module.groups, pad=annotation.stencil.pad,
-                     global_length=plan.length)
+                     global_length=plan.length, _reuse=reuse)
 
 
 @contextmanager
@@ -489,12 +501,13 @@ def _exchange_pad(stencil: Stencil, plan: WindowPlan) -> str:
     return f"{pad}-or-zeros"
 
 
-def _window(site: _Site, plan: WindowPlan, annotation: Annotation) -> torch.Tensor:
+def _window(site: _Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse
+            ) -> torch.Tensor:
     """Exchange the halo, fill beyond the global ends if needed, cut this rank's window."""
     stencil, dim = annotation.stencil, annotation.dim
     rank = site.mesh.get_local_rank(site.axis)
-    x = halo_exchange(site.local, plan.left, plan.right, dim, (site.mesh, site.axis),
-                      pad=_exchange_pad(stencil, plan), global_length=plan.length)
+    x = exchange(site.local, plan.left, plan.right, dim, (site.mesh, site.axis),
+                 pad=_exchange_pad(stencil, plan), global_length=plan.length, reuse=reuse)
     if stencil.fill is not None and plan.left + plan.right:
         outside = _outside(rank, plan.length, site.mesh.size(site.axis), plan.left,
                            plan.right, x.ndim, dim, x.device)
@@ -540,9 +553,15 @@ def _output(y: torch.Tensor, site: _Site, plan: WindowPlan, annotation: Annotati
     if not (isinstance(start, int) and isinstance(length, int) and start == 0
             and length == y.shape[dim]):
         y = y.narrow(dim, start, length)
+    return rewrap(y, site, dim, plan.out_length)
+
+
+def rewrap(y: torch.Tensor, site: _Site, dim: int, length: int) -> Any:
+    """This rank's output chunk `y` as the input came: plain for a plain chunk, else a
+    `Shard(dim)` DTensor on the input's mesh and placements, `length` long along dim."""
     if site.placements is None:
         return y
-    shape = _global_shape(y, site, dim, plan.out_length)
+    shape = _global_shape(y, site, dim, length)
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     return DTensor.from_local(y, site.mesh, site.placements, run_check=False, shape=shape,
                               stride=stride)
@@ -668,7 +687,7 @@ def _packed_conv(forward: _HaloForward, site: _Site) -> Any:
     module, dim = forward.module, forward.annotation.dim
     spec = forward.annotation.spec
     if spec is not None and not isinstance(module, DERIVABLE):
-        return _rewrap(_packed_wrapper(forward, site, spec), site, dim)
+        return rewrap(_packed_wrapper(forward, site, spec), site, dim, site.length)
     # known_forward() sees the halo forward now attached: ask about the class instead.
     own = forward.previous is None and any(
         type(module).forward is conv.forward for conv in _CONVS)
@@ -682,17 +701,7 @@ def _packed_conv(forward: _HaloForward, site: _Site) -> Any:
                     padding=forward.saved["padding"], pad=module.padding_mode,
                     stride=module.stride, dilation=module.dilation, groups=module.groups,
                     global_length=site.length)
-    return _rewrap(y, site, dim)
-
-
-def _rewrap(y: torch.Tensor, site: _Site, dim: int) -> Any:
-    """A `Shard(dim)` DTensor on the input's mesh for DTensor input (same length)."""
-    if site.placements is None:
-        return y
-    shape = _global_shape(y, site, dim, site.length)
-    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    return DTensor.from_local(y, site.mesh, site.placements, run_check=False, shape=shape,
-                              stride=stride)
+    return rewrap(y, site, dim, site.length)
 
 
 def _packed_wrapper(forward: _HaloForward, site: _Site, spec: HaloShard) -> torch.Tensor:

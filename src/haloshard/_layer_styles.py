@@ -52,7 +52,6 @@ from haloshard._hooks import (
     HaloHandle,
     LocalRun,
     _dtensor_site,
-    _global_shape,
     _HaloForward,
     _NoPadAlong,
     _Site,
@@ -61,6 +60,7 @@ from haloshard._hooks import (
     handle_of,
     module_name,
     names_errors,
+    rewrap,
 )
 from haloshard._layout import HaloShard, PadMode
 from haloshard._norms import _GroupNormFn
@@ -159,12 +159,7 @@ class _LocalForward:
         if not isinstance(y, torch.Tensor) or isinstance(y, DTensor):
             raise HaloError(f"{self.style} expects the module to return one plain tensor "
                             f"from its local forward, got {type(y).__name__}")
-        if site.placements is None:
-            return y
-        shape = _global_shape(y, site, self.dim, site.length)
-        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-        return DTensor.from_local(y, site.mesh, site.placements, run_check=False,
-                                  shape=shape, stride=stride)
+        return rewrap(y, site, self.dim, site.length)
 
     def inside(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return self.original(x, *args, **kwargs)

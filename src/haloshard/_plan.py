@@ -13,8 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
+from typing import Generic, TypeVar
 
 from haloshard._layout import padded_source
+
+# Positions as ints (the plan) or as index tensors (`_exchange` builds them per device).
+_Index = TypeVar("_Index")
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class ExchangePlan:
 
 
 @dataclass(frozen=True)
-class HaloFill:
+class HaloFill(Generic[_Index]):
     """Where the halo slices go in a `left + gap + right` long buffer along the dim.
 
     The output positions of each received slice's first use (`recv_pos`, one per received
@@ -50,18 +54,18 @@ class HaloFill:
     circular can repeat one) with the slot they repeat (and, for own slices, its source).
     """
 
-    recv_pos: tuple[int, ...]
-    own_pos: tuple[int, ...]
-    zero_pos: tuple[int, ...]
-    dup_recv_pos: tuple[int, ...]
-    dup_recv_slot: tuple[int, ...]
-    dup_own_pos: tuple[int, ...]
-    dup_own_slot: tuple[int, ...]
-    dup_own_src: tuple[int, ...]
+    recv_pos: _Index
+    own_pos: _Index
+    zero_pos: _Index
+    dup_recv_pos: _Index
+    dup_recv_slot: _Index
+    dup_own_pos: _Index
+    dup_own_slot: _Index
+    dup_own_src: _Index
 
 
 @lru_cache(maxsize=4096)
-def halo_fill(plan: ExchangePlan, gap: int) -> HaloFill:
+def halo_fill(plan: ExchangePlan, gap: int) -> HaloFill[tuple[int, ...]]:
     """Where `plan`'s halos go in a buffer of `left + gap + right` slices: the exchanged chunk
     when `gap` is the chunk length, or two thin windows around the chunk's edges."""
     left, right = len(plan.left_idx), len(plan.right_idx)

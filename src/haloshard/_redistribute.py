@@ -260,7 +260,8 @@ def _add_halos(dt: DTensor, axis: int, dst: tuple[Placement, ...],
     """
     p = dst[axis]
     assert isinstance(p, HaloShard)
-    y = halo_exchange(unwrap(dt), p.left, p.right, p.dim, (dt.device_mesh, axis),
+    y = halo_exchange(unwrap(dt), left=p.left, right=p.right, dim=p.dim, group=(dt.device_mesh,
+                      axis),
                       pad=p.pad, transport=transport, global_length=dt.shape[p.dim])
     return wrap(y, dt, dst)
 

@@ -444,7 +444,9 @@ def _conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g: _
           args: _ConvArgs, group: GroupLike, grp: Group, transport: str | None
           ) -> torch.Tensor:
     dim = args.dim
-    buf = halo_exchange(x, *g.halo, dim, group, transport=transport, global_length=g.cu[-1])
+    left, right = g.halo
+    buf = halo_exchange(x, left=left, right=right, dim=dim, group=group, transport=transport,
+                        global_length=g.cu[-1])
     extra = [_gather_edges(x, g, dim, grp)] if g.pad == "circular" else []
     if g.spare:
         shape = list(buf.shape)

@@ -35,10 +35,11 @@ def rank_report(transport: str) -> dict[str, object]:
     mesh = worker_mesh(world)
     full = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
     x = shard(full, 2, world, rank).contiguous()
-    halo_exchange(x, LEFT, RIGHT, 2, mesh, pad=PAD, transport=transport)  # warm-up
+    halo_exchange(x, left=LEFT, right=RIGHT, dim=2, group=mesh, pad=PAD,
+                  transport=transport)  # warm-up
     dist.barrier()
     start = time.perf_counter()
-    y = halo_exchange(x, LEFT, RIGHT, 2, mesh, pad=PAD, transport=transport)
+    y = halo_exchange(x, left=LEFT, right=RIGHT, dim=2, group=mesh, pad=PAD, transport=transport)
     elapsed = time.perf_counter() - start
     lengths = tuple(shard(full, 2, world, r).shape[2] for r in range(world))
     plan = exchange_plan(rank, lengths, LEFT, RIGHT, PAD)

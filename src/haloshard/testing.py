@@ -313,6 +313,17 @@ def _axis_ranks(mesh: DeviceMesh, mesh_axis: int | str) -> list[int]:
     return [int(r) for r in grid[0].tolist()]
 
 
+def seeded_module(module: torch.nn.Module, seed: int, *, scale: float = 1.0
+                  ) -> torch.nn.Module:
+    """`module` in float64 with parameter i drawn by `seeded_randn(shape, seed + i) * scale`
+    (the same values on every rank and in every process)."""
+    module = module.double()
+    with torch.no_grad():
+        for i, p in enumerate(module.parameters()):
+            p.copy_(seeded_randn(tuple(p.shape), seed + i) * scale)
+    return module
+
+
 def seeded_randn(shape: Sequence[int], seed: int, dtype: torch.dtype = torch.float64
                  ) -> torch.Tensor:
     """A standard-normal tensor from its own generator, made once on one device (also

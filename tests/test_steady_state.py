@@ -1,0 +1,126 @@
+"""Steady state: after a layer's first call with an input signature, a forward issues exactly
+its halo moves (no metadata collective), stays exact, and a mistake on one rank still raises
+`HaloError` on every rank at once (its flag rides in the halo move).
+
+Real gloo processes (2 ranks, T=7 splits 4, 3), since simulated ranks take functional
+collectives, which this counts separately. Float64; tolerances as in test_hooks.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+from haloshard import HaloError, HaloParallel, HaloShard
+from haloshard.testing import seeded_randn, shard, single_device, worker_mesh
+
+TOL = {"atol": 1e-12, "rtol": 1e-10}
+_COLLECTIVES = ("all_gather_single", "all_to_all_single", "all_gather_into_tensor",
+                "reduce_scatter_single", "all_reduce", "batch_isend_irecv", "broadcast")
+
+
+@contextmanager
+def counted() -> Iterator[Counter[str]]:
+    """Count c10d collectives issued in this process (haloshard's eager calls)."""
+    calls: Counter[str] = Counter()
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+class Causal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(3, 3, 3, padding=(0, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, (0, 0, 0, 0, 2, 0), mode="replicate"))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv3d(2, 3, 3, padding=1), nn.SiLU(), Causal(),
+                         nn.Conv3d(3, 2, (3, 1, 1), padding=(1, 0, 0))).double()
+
+
+def _plan() -> dict[str, Any]:
+    return {"0": HaloParallel(), "2": HaloParallel(HaloShard(2, left=2, pad="replicate")),
+            "3": HaloParallel(overlap=False)}
+
+
+def steady_state() -> dict[str, Any]:
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    with single_device():
+        model = _model()
+        full = seeded_randn((1, 2, 7, 4, 4), 1).double()
+        expected = model(full).detach()
+    parallelize_module(model, mesh, _plan())
+    local = shard(full, 2, 2, rank).clone()
+    counts, errors = [], []
+    for _ in range(3):
+        leaf = local.clone().requires_grad_()
+        x = DTensor.from_local(leaf, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
+        with counted() as forward:
+            y = model(x)
+        with counted() as backward:
+            y.to_local().sum().backward()
+        counts.append((dict(forward), dict(backward)))
+        errors.append((y.to_local() - shard(expected, 2, 2, rank)).abs().max().item())
+    # a chunk one frame too long on rank 1 only, with the agreed global shape: rank 1's row
+    # differs from the agreed one; it raises, and its flag makes rank 0 raise in the move
+    bad = (torch.cat([local, local[:, :, :1]], dim=2) if rank == 1 else local.clone())
+    bad.requires_grad_()  # the signature of the calls before: only the length differs
+    x = DTensor.from_local(bad, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
+    start = time.perf_counter()
+    try:
+        model(x)
+        raised = "ok"
+    except HaloError as error:
+        raised = f"HaloError: {error}"
+    seconds = time.perf_counter() - start
+    # the group still works: the same model, right input, exact again
+    x = DTensor.from_local(local.clone(), mesh, [Shard(2)], shape=full.shape,
+                           stride=full.stride())
+    after = (model(x).to_local() - shard(expected, 2, 2, rank)).abs().max().item()
+    return {"counts": counts, "errors": errors, "raised": raised, "seconds": seconds,
+            "after": after}
+
+
+@pytest.mark.gloo
+def test_no_metadata_collective_after_the_first_call(gloo: Callable[[int], Any]) -> None:
+    results = gloo(2).run(steady_state, timeout=120)
+    for got in results:
+        first, *later = got["counts"]
+        # first call: each of the 3 halo layers agrees once (one int gather) and moves once
+        assert first[0] == {"all_gather_single": 3, "all_to_all_single": 3}, first
+        for forward, backward in later:  # then exactly the halo moves, forward and backward
+            assert forward == {"all_to_all_single": 3}, forward
+            assert backward == {"all_to_all_single": 3}, backward
+        assert max(got["errors"]) <= 1e-12 and got["after"] <= 1e-12, got
+        assert got["seconds"] < 5.0, got  # at once, not at a timeout (60 s here)
+    other, bad = (r["raised"] for r in results)
+    assert "agreed at this layer's first call in ['length']" in bad, bad
+    assert "rank(s) [1] of the group passed this halo layer a tensor that differs" in other
