@@ -105,8 +105,9 @@ def steady_state() -> dict[str, Any]:
     x = DTensor.from_local(local.clone(), mesh, [Shard(2)], shape=full.shape,
                            stride=full.stride())
     after = (model(x).to_local() - shard(expected, 2, 2, rank)).abs().max().item()
+    chosen = {i: dict(model[i].forward.chosen) for i in (0, 3)}
     return {"counts": counts, "errors": errors, "raised": raised, "seconds": seconds,
-            "after": after}
+            "after": after, "chosen": chosen}
 
 
 @pytest.mark.gloo
@@ -114,13 +115,18 @@ def test_no_metadata_collective_after_the_first_call(gloo: Callable[[int], Any])
     results = gloo(2).run(steady_state, timeout=120)
     for got in results:
         first, *later = got["counts"]
-        # first call: each of the 3 halo layers agrees once (one int gather) and moves once
-        assert first[0] == {"all_gather_single": 3, "all_to_all_single": 3}, first
+        # first call: each of the 3 halo layers agrees once (one int gather); layer 0 also
+        # times its two formulations' forward (overlap=None), twice each, and the ranks
+        # agree on the faster (one more gather)
+        assert first[0] == {"all_gather_single": 3 + 1, "all_to_all_single": 3 + 2 * 2}, first
         for forward, backward in later:  # then exactly the halo moves, forward and backward
             assert forward == {"all_to_all_single": 3}, forward
             assert backward == {"all_to_all_single": 3}, backward
         assert max(got["errors"]) <= 1e-12 and got["after"] <= 1e-12, got
         assert got["seconds"] < 5.0, got  # at once, not at a timeout (60 s here)
+        # overlap=None timed its two formulations once per input signature (two: the last
+        # input does not require grad); overlap=False never times
+        assert len(got["chosen"][0]) == 2 and got["chosen"][3] == {}, got["chosen"]
     other, bad = (r["raised"] for r in results)
     assert "agreed at this layer's first call in ['length']" in bad, bad
     assert "rank(s) [1] of the group passed this halo layer a tensor that differs" in other

@@ -24,7 +24,7 @@ from haloshard._layout import PAD_MODES, HaloShard, shard_size_and_offset, shard
 from haloshard._masked_attention import frame_attention
 from haloshard._norms import group_norm
 from haloshard._redistribute import redistribute
-from haloshard._specs import ConvStencil, ResampleStencil, TransposeStencil
+from haloshard._specs import ConvStencil, ResampleStencil, Stencil, TransposeStencil
 from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
 from haloshard._varlen import packed, varlen_conv
 from haloshard._verify import PlanReport, verify_plan
@@ -48,6 +48,7 @@ __all__ = [
     "halo_handles",
     "HaloHandle",
     "reduce_grads",
+    "Stencil",
     "ConvStencil",
     "TransposeStencil",
     "ResampleStencil",

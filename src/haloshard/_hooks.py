@@ -23,6 +23,7 @@ import copy
 import functools
 import inspect
 import math
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -249,7 +250,7 @@ def handle_of(module: nn.Module) -> HaloHandle | None:
 
 
 def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *,
-           overlap: bool = True, local: LocalRun | None = None) -> HaloHandle:
+           overlap: bool | None = None, local: LocalRun | None = None) -> HaloHandle:
     """Make `module` run on `Shard(dim)` inputs with its halo; see the module docstring.
 
     Args:
@@ -257,7 +258,8 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
         annotation: its halo.
         mesh: used for plain-tensor inputs (1-D); DTensor inputs bring their own mesh.
         overlap: run stride-1 convs that keep the length as `halo_conv`, which computes the
-            interior while the halo is in flight.
+            interior while the halo is in flight; False exchanges first; None chooses per
+            input signature (see `_HaloForward.overlaps`).
         local: how the module runs on its window, `local(forward, window, *args, **kwargs)`;
             None calls `forward(window, *args, **kwargs)`.
 
@@ -276,7 +278,7 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
     for name, value in new.items():
         setattr(module, name, value)
     module.forward = _HaloForward(module, annotation, mesh, saved, previous,
-                                  overlap=overlap and known,
+                                  overlap=overlap if known else False,
                                   watch=(annotation.spec is None and not known
                                          and isinstance(module, DERIVABLE)),
                                   name=module_name(module), local=local)
@@ -291,7 +293,7 @@ class _HaloForward:
 
     def __init__(self, module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None,
                  saved: dict[str, Any], previous: Callable[..., Any] | None, *,
-                 overlap: bool = True, watch: bool = False, name: str = "",
+                 overlap: bool | None = None, watch: bool = False, name: str = "",
                  local: LocalRun | None = None) -> None:
         self.module, self.annotation, self.mesh = module, annotation, mesh
         self.saved, self.previous, self.overlap = saved, previous, overlap
@@ -299,6 +301,7 @@ class _HaloForward:
         # Agreements of earlier calls, by global signature: a layer validates its arguments
         # on every rank once per input signature, later calls issue no metadata collective.
         self.agreed: dict[Any, Any] = {}
+        self.chosen: dict[Any, bool] = {}  # overlap or not, by global input signature
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _HaloForward:
         # The mesh is shared, never copied: it names process groups.
@@ -306,7 +309,7 @@ class _HaloForward:
         new.module = copy.deepcopy(self.module, memo)
         new.saved = copy.deepcopy(self.saved, memo)
         new.previous = copy.deepcopy(self.previous, memo)
-        new.agreed = {}
+        new.agreed, new.chosen = {}, {}
         return new
 
     def reuse(self, site: _Site) -> Reuse:
@@ -345,19 +348,64 @@ class _HaloForward:
             return _packed_conv(self, site)
         plan = plan_windows(annotation.stencil, site.length, site.mesh.size(site.axis),
                             uniform=enabled_local_tensor_mode() is not None)
-        if self.overlap and _overlappable(self.module, annotation, plan):
-            return _output(_overlapped_conv(self.module, site, plan, annotation,
-                                            self.reuse(site)), site, plan,
-                           annotation)
-        window = _window(site, plan, annotation, self.reuse(site))
+        reuse = self.reuse(site)
+        if (self.overlap is not False and _overlappable(self.module, annotation, plan)
+                and self.overlaps(site, plan, reuse)):
+            y = _overlapped_conv(self.module, site, plan, annotation, reuse)
+        else:
+            y = self.exchange_first(site, plan, reuse, *args, **kwargs)
+        return _output(y, site, plan, annotation)
+
+    def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
+                       **kwargs: Any) -> Any:
+        """Exchange the halo, then run the module's own forward on this rank's window."""
+        annotation = self.annotation
+        window = _window(site, plan, annotation, reuse)
         token = _INSIDE.set(True)
         try:
             with _NoPadAlong(annotation.dim, annotation.spec, window, watch=self.watch):
-                y = (self.original(window, *args, **kwargs) if self.local is None
-                     else self.local(self.original, window, *args, **kwargs))
+                return (self.original(window, *args, **kwargs) if self.local is None
+                        else self.local(self.original, window, *args, **kwargs))
         finally:
             _INSIDE.reset(token)
-        return _output(y, site, plan, annotation)
+
+    def overlaps(self, site: _Site, plan: WindowPlan, reuse: Reuse) -> bool:
+        """Whether this call runs the conv as `halo_conv` (interior while the halo travels)
+        or exchanges first: as given, or (`overlap=None`) decided once per global input
+        signature. Where both can be timed (eager c10d, not deterministic mode), each runs
+        its forward twice and the faster is kept, as `cudnn.benchmark` does:
+        on CPU no engine moves the halo beside the conv and which split oneDNN runs faster
+        depends on the shape. Elsewhere (compiled, simulated, deterministic) it overlaps.
+        Every rank takes the same choice (one small gather of the timings, once)."""
+        if self.overlap is not None:
+            return self.overlap
+        x = site.local
+        key = (site.shape, x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad)
+        if key not in self.chosen:
+            timed = _comm.is_eager(x) and not torch.are_deterministic_algorithms_enabled()
+            self.chosen[key] = not timed or self.faster_overlapped(site, plan, reuse)
+        return self.chosen[key]
+
+    def faster_overlapped(self, site: _Site, plan: WindowPlan, reuse: Reuse) -> bool:
+        """Time both formulations' forward under no_grad: no gradient, no autograd state
+        and no parameter hook (FSDP, checkpointing) sees the trial; the backward of each
+        mirrors its forward's split."""
+        paths = {True: lambda: _overlapped_conv(self.module, site, plan, self.annotation,
+                                                reuse),
+                 False: lambda: self.exchange_first(site, plan, reuse)}
+        best = dict.fromkeys(paths, math.inf)
+        with torch.no_grad():
+            for _ in range(2):  # round-robin, the best of two: the first of each warms up
+                for overlapped, path in paths.items():
+                    start = time.perf_counter()
+                    path()
+                    best[overlapped] = min(best[overlapped], time.perf_counter() - start)
+        # One choice for every rank (their backward collectives differ when the input needs
+        # no gradient): the summed times decide, from one gather of two ints per rank.
+        mine = torch.tensor([round(best[True] * 1e6), round(best[False] * 1e6)])
+        rows = _comm.gather_ints(mine, _comm.resolve_group((site.mesh, site.axis)),
+                                 what="choice of formulation")
+        return sum(r[0] for r in rows) <= sum(r[1] for r in rows)
 
 
 def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan) -> bool:

@@ -35,7 +35,33 @@ DERIVABLE: tuple[type[nn.Module], ...] = (*_CONVS, *_TRANSPOSED, *_MAX_POOLS, *_
 
 
 class Stencil(Protocol):
-    """What the hooks need to know about a layer along the sharded dim."""
+    """What the hooks need to know about a layer along the sharded dim: the protocol a user
+    implements for a new layer kind (a frozen dataclass, so plans can cache on it), passed
+    as `HaloParallel(stencil)` or `annotate(module, stencil)`.
+
+    The hooks fix which outputs each rank owns (the `Shard` split of `out_length(T)`), ask
+    `window` for the input range that produces them, exchange the halo that range needs,
+    run the module's own forward on that window (its padding along the dim removed for the
+    layers haloshard derives) and keep `stop - start` outputs from `offset` on.
+
+    Attributes:
+        pad: how a window is filled beyond the global ends (`zeros`, `replicate`, ...).
+        fill: a value that replaces `pad` beyond the global ends (max pooling: -inf).
+        min_input: the window length a rank that owns no output runs the module on (its
+            output is dropped; every rank stays in the same collectives).
+
+    Methods:
+        out_length(length): the layer's global output length for a global input length.
+        window(start, stop): for outputs `[start, stop)`, the global input range `[i0, i1)`
+            (may reach beyond `[0, T)`: filled by `pad`) and where those outputs start in
+            the module's output on that window: `(i0, i1, offset)`.
+        at_length(length) (optional): the stencil to use for a given global length, for a
+            layer whose computation depends on it (`FirstFrameStencil(even=...)`).
+
+    Example::
+        >>> ConvStencil(span=3, pad_left=2).window(4, 6)  # causal kernel 3: 2 frames back
+        (2, 6, 0)
+    """
 
     pad: PadMode
     fill: float | None

@@ -49,8 +49,13 @@ class HaloParallel(ParallelStyle):
             a stencil (`haloshard._specs`) describes a module that changes the length.
         dim: the sharded dim of the module's input.
         overlap: run a stride-1 conv that keeps the length as `halo_conv` (its interior is
-            computed while the halo travels); False exchanges first, then runs the module.
-            A conv subclass with a forward of its own always runs that forward.
+            computed while the halo travels); False exchanges first, then runs the module;
+            None (the default) picks the faster of the two once per input signature by
+            timing both forwards at the layer's first call with it (as
+            `cudnn.benchmark` does; the first step pays for it), and overlaps where they
+            cannot be timed (compiled or simulated, or under
+            `torch.use_deterministic_algorithms`). Both are exact. A conv subclass with a
+            forward of its own always runs that forward.
 
     A module may return a tuple whose first element is its output (`(output, cache)`): that
     element is sharded and the others come back as None, since a window's cache is not the
@@ -69,7 +74,7 @@ class HaloParallel(ParallelStyle):
     """
 
     def __init__(self, spec: HaloShard | Stencil | None = None, *, dim: int = 2,
-                 overlap: bool = True) -> None:
+                 overlap: bool | None = None) -> None:
         super().__init__()
         if spec is not None and not isinstance(spec, (HaloShard, *STENCILS)):
             raise HaloError(f"spec must be a HaloShard, a stencil or None, got "
@@ -80,7 +85,7 @@ class HaloParallel(ParallelStyle):
         self.spec, self.dim, self.overlap = spec, dim, overlap
 
     def __repr__(self) -> str:
-        extra = "" if self.overlap else ", overlap=False"
+        extra = "" if self.overlap is None else f", overlap={self.overlap}"
         return f"HaloParallel(spec={self.spec!r}, dim={self.dim}{extra})"
 
     @names_errors
