@@ -243,6 +243,25 @@ class HaloHandle:
         delattr(module, _HANDLE)
 
 
+def install(module: nn.Module, forward: Any) -> HaloHandle:
+    """Replace `module.forward` by `forward` (an object with `previous` and `name`
+    attributes, which this sets); the returned handle (also `halo_handles(model)`) restores
+    exactly the forward it replaced.
+
+    Raises:
+        HaloError: when a haloshard style is already applied to the module.
+    """
+    if handle_of(module) is not None:
+        raise HaloError(f"a haloshard style is already applied to {type(module).__name__}; "
+                        "call its handle's remove() first")
+    forward.previous = module.__dict__.get("forward")
+    forward.name = module_name(module)
+    module.forward = forward
+    handle = HaloHandle(module, {}, forward.previous)
+    setattr(module, _HANDLE, handle)
+    return handle
+
+
 def handle_of(module: nn.Module) -> HaloHandle | None:
     """The handle of the halo attached to `module`, or None."""
     found = module.__dict__.get(_HANDLE)
@@ -497,11 +516,11 @@ def _dtensor_site(x: DTensor, dim: int) -> _Site:
         if not (isinstance(p, Replicate) or p in (Shard(0), Shard(dim))):
             raise HaloError(f"placement {p} is not supported beside Shard({dim}): expected "
                             "Replicate or Shard(0) (batch) on the other mesh axes")
-    return _Site(_LocalChunk.apply(x), x.device_mesh, axes[0], tuple(x.placements),
+    return _Site(LocalChunk.apply(x), x.device_mesh, axes[0], tuple(x.placements),
                  tuple(x.shape), dim)
 
 
-class _LocalChunk(torch.autograd.Function):
+class LocalChunk(torch.autograd.Function):
     """`DTensor.to_local` whose backward reuses the input's global shape and stride.
 
     Forward: DTensor (global T) -> local chunk (T_r). Backward: chunk gradient (T_r) ->

@@ -46,7 +46,6 @@ from haloshard import _comm
 from haloshard._attention import gather_many
 from haloshard._errors import HaloError, named
 from haloshard._hooks import (
-    _HANDLE,
     _INSIDE,
     Annotation,
     HaloHandle,
@@ -57,8 +56,7 @@ from haloshard._hooks import (
     _Site,
     _site,
     attach,
-    handle_of,
-    module_name,
+    install,
     names_errors,
     rewrap,
 )
@@ -80,15 +78,7 @@ _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # ---------------------------------------------------------------- local forward machinery
 def _install(module: nn.Module, forward: _LocalForward) -> HaloHandle:
     """Replace `module.forward` by `forward`; the handle restores it (as a halo's does)."""
-    if handle_of(module) is not None:
-        raise HaloError(f"a haloshard style is already applied to {type(module).__name__}; "
-                        "call its handle's remove() first")
-    forward.previous = module.__dict__.get("forward")
-    forward.name = module_name(module)
-    module.forward = forward
-    handle = HaloHandle(module, {}, forward.previous)
-    setattr(module, _HANDLE, handle)
-    return handle
+    return install(module, forward)
 
 
 class _LocalForward:

@@ -33,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from haloshard import _comm
 from haloshard._attention import gather_along
 from haloshard._errors import HaloError
+from haloshard._hooks import LocalChunk
 from haloshard.testing import per_rank, rank_map, seeded_randn, shard, single_device
 
 _INPUT = "<input>"
@@ -177,27 +178,6 @@ class _Tap(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         ctx.sink(grad)
         return grad, None
-
-
-class _ToLocal(torch.autograd.Function):
-    """`DTensor.to_local` whose backward keeps the DTensor's global shape and stride.
-
-    Forward: DTensor -> local piece. Backward: local gradient -> DTensor of the input's
-    layout. torch's own backward recomputes the global stride from the gradient, a per-rank
-    value under LocalTensorMode with uneven shards that DTensor cannot hash.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: DTensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.layout = (x.device_mesh, tuple(x.placements), x.shape, x.stride())
-        local = x.to_local()
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
-        mesh, placements, shape, stride = ctx.layout
-        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape,
-                                  stride=stride)
 
 
 class _Recorder:
@@ -406,7 +386,7 @@ def verify_plan(
         g_local = cotangent if out.shard_dim is None else rank_map(
             mesh, lambda r: shard(cotangent, out.shard_dim, mesh.size(axis), r),
             mesh_axis=axis)
-        (_ToLocal.apply(y) * g_local).sum().backward()
+        (LocalChunk.apply(y) * g_local).sum().backward()
     except Exception as exc:
         at = rec.stack[-1] if rec.stack else None
         rec.remove()

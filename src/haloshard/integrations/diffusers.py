@@ -56,14 +56,11 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from haloshard._attention import gather_along
 from haloshard._errors import HaloError, named
 from haloshard._hooks import (
-    _HANDLE,
     Annotation,
-    HaloHandle,
     _dtensor_site,
     _Site,
     attach,
-    handle_of,
-    module_name,
+    install,
     names_errors,
 )
 from haloshard._layer_styles import (
@@ -238,13 +235,7 @@ class _Forward:
 
 def _install(module: nn.Module, forward: _Forward) -> None:
     """Replace `module.forward` by `forward`; the handle (`halo_handles`) restores it."""
-    if handle_of(module) is not None:
-        raise HaloError(f"a haloshard style is already applied to {type(module).__name__}; "
-                        "call its handle's remove() first")
-    forward.previous = module.__dict__.get("forward")
-    forward.name = module_name(module)
-    module.forward = forward
-    setattr(module, _HANDLE, HaloHandle(module, {}, forward.previous))
+    install(module, forward)
 
 
 # ---------------------------------------------------------------- HunyuanVideo mid-block
