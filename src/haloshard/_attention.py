@@ -16,7 +16,7 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run
 
 from haloshard import _comm
 from haloshard._comm import GroupLike
-from haloshard._errors import HaloError
+from haloshard._errors import HaloError, raise_rejected
 from haloshard._exchange import (
     _as_int,
     _check_own_length,
@@ -75,12 +75,7 @@ def _meta_row(tensors: tuple[torch.Tensor, ...], dim: int, global_length: int, f
 @maybe_run_for_local_tensor
 def _check_rows(rows: list[list[int]], own: str | None, names: tuple[str, ...]) -> None:
     """The same `HaloError` on every rank when any rank's row is bad or the rows differ."""
-    if own is not None:
-        raise HaloError(own)
-    bad = [r for r, row in enumerate(rows) if row[0]]
-    if bad:
-        raise HaloError(f"rank(s) {bad} of the group rejected their gather arguments (see "
-                        "the error on those ranks); every rank must pass valid arguments")
+    raise_rejected(own, [row[0] for row in rows], "gather")
     n = len(_TENSOR_FIELDS)
     fields = ["global_length", "frame", *(f"{name} {f}" for name in names
                                          for f in _TENSOR_FIELDS)]

@@ -23,3 +23,19 @@ def named(error: HaloError, module: str) -> HaloError:
     renamed = HaloError(str(error) if said else f"{module}: {error}")
     renamed.module = inner if inner is not None else module  # type: ignore[attr-defined]
     return renamed
+
+
+def raise_rejected(own: str | None, flags: list[object], what: str) -> None:
+    """The first step of every agreement: this rank's own problem raises here; a problem
+    another rank flagged in its row raises the same kind of error on every other rank.
+
+    Example::
+        >>> raise_rejected(None, [0, 0, 0], "halo_exchange")  # nobody flagged: returns
+        >>> # [0, 1, 0] raises "rank(s) [1] of the group rejected their halo_exchange ..."
+    """
+    if own is not None:
+        raise HaloError(own)
+    bad = [rank for rank, flag in enumerate(flags) if flag]
+    if bad:
+        raise HaloError(f"rank(s) {bad} of the group rejected their {what} arguments (see the "
+                        "error on those ranks); every rank must pass valid arguments")

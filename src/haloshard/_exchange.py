@@ -25,7 +25,7 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run
 
 from haloshard import _comm
 from haloshard._comm import Group, GroupLike
-from haloshard._errors import HaloError
+from haloshard._errors import HaloError, raise_rejected
 from haloshard._layout import LENIENT_PADS, PAD_MODES, check_pad_fits, shard_sizes
 from haloshard._plan import HaloFill, exchange_plan, halo_fill
 from haloshard._simulated import per_rank
@@ -121,12 +121,7 @@ def _check_rows(rows: list[list[int]], own_problem: str | None) -> None:
     Per simulated rank under LocalTensorMode: groups of a 2-D mesh may hold different rows
     (an uneven batch over dp), which arrive as per-rank ints.
     """
-    if own_problem is not None:
-        raise HaloError(own_problem)
-    bad = [k for k, row in enumerate(rows) if row[_ERR]]
-    if bad:
-        raise HaloError(f"rank(s) {bad} of the group rejected their halo_exchange arguments "
-                        "(see the error on those ranks); every rank must pass valid arguments")
+    raise_rejected(own_problem, [row[_ERR] for row in rows], "halo_exchange")
     for i, field in enumerate(_FIELDS):
         values = [row[i] for row in rows]
         if i != _LEN and len(set(values)) > 1:

@@ -20,7 +20,7 @@ from torch.distributed._local_tensor import maybe_run_for_local_tensor
 
 from haloshard import _comm
 from haloshard._comm import GroupLike
-from haloshard._errors import HaloError
+from haloshard._errors import HaloError, raise_rejected
 from haloshard._exchange import _dtype_code, _tensor_problem, shown
 
 # The statistics all-gather has a fixed-size first block: a metadata row, then as many
@@ -65,12 +65,7 @@ def _meta_row(x: Any, groups: Any, eps: Any, weight: Any, bias: Any, error: bool
 @maybe_run_for_local_tensor
 def _check_meta(rows: list[list[float]], own: str | None) -> None:
     """The same `HaloError` on every rank when any rank's row is bad or the rows differ."""
-    if own is not None:
-        raise HaloError(own)
-    bad = [r for r, row in enumerate(rows) if row[0]]
-    if bad:
-        raise HaloError(f"rank(s) {bad} of the group rejected their group_norm arguments "
-                        "(see the error on those ranks); every rank must pass valid ones")
+    raise_rejected(own, [row[0] for row in rows], "group_norm")
     for i, field in enumerate(_META):
         values = [row[i] for row in rows]
         if len(set(values)) > 1:

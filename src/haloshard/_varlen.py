@@ -27,7 +27,7 @@ from torch.distributed._local_tensor import maybe_run_for_local_tensor
 
 from haloshard import _comm
 from haloshard._comm import Group, GroupLike
-from haloshard._errors import HaloError
+from haloshard._errors import HaloError, raise_rejected
 from haloshard._exchange import halo_exchange
 from haloshard._layout import PAD_MODES, check_pad_fits, shard_sizes
 
@@ -306,12 +306,7 @@ def _row(x: object, dim: int, problem: bool, cu: tuple[int, ...]) -> torch.Tenso
 
 @maybe_run_for_local_tensor
 def _check_rows(rows: list[list[int]], problem: str | None) -> None:
-    if problem is not None:
-        raise HaloError(problem)
-    bad = [r for r, row in enumerate(rows) if row[0]]
-    if bad:
-        raise HaloError(f"rank(s) {bad} of the group rejected their varlen_conv arguments (see "
-                        "the error on those ranks); every rank must pass valid arguments")
+    raise_rejected(problem, [row[0] for row in rows], "varlen_conv")
     if len({row[1] for row in rows}) > 1:
         raise HaloError("ranks disagree on cu_seqlens: every rank must pass the same global "
                         "document boundaries")
