@@ -1,12 +1,15 @@
-"""diffusers' Wan 2.1 VAE encoder with T sharded gives exactly `vae._encode(x)` (the chunk
-loop with its feature cache), forward, input gradient and parameter gradients.
+"""diffusers' Wan 2.1 VAE with T sharded gives exactly `vae._encode(x)` and
+`vae._decode(z)` (the chunk loops with their feature caches), forward, input gradient and
+parameter gradients.
 
 A tiny random-init `AutoencoderKLWan` (unmodified diffusers 0.42.1; two temporal
 downsamplings, the mid-block's attention on), float64, T = 1 + 4n frames over 2 to 4 ranks:
 uneven chunks and an empty last shard (T=9 on 4 ranks: 3, 3, 3, 0; 5 frames after the first
-downsampling: 2, 2, 1, 0). Tolerance: the sharded run computes the same products, summed in
-another order (windows, partial parameter gradients added over ranks), in float64 with O(1)
-values through a few dozen layers: 1e-10 bounds that, while a wrong frame is O(1).
+downsampling: 2, 2, 1, 0); the decoder on T = 2 to 5 latent frames, whose upsamplings give
+1 + 2 (T - 1) and then 1 + 4 (T - 1) frames. Tolerance: the sharded run computes the same
+products, summed in another order (windows, partial parameter gradients added over ranks), in
+float64 with O(1) values through a few dozen layers: 1e-10 bounds that, while a wrong frame is
+O(1).
 """
 
 from __future__ import annotations
@@ -73,6 +76,34 @@ def case_encode(mesh: DeviceMesh, length: int, seed: int) -> None:
             assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **TOL)
 
 
+def case_decode(mesh: DeviceMesh, length: int, seed: int) -> None:
+    from haloshard.integrations.diffusers import wan_decode, wan_decoder_plan
+
+    world = mesh.size()
+    with single_device():
+        vae = tiny_wan(seed)
+        # small latents keep the clamp to [-1, 1] inactive: its gradient is then exact too
+        full = 0.3 * seeded_randn((1, 4, length, 4, 4), seed).double()
+        twin = copy.deepcopy(vae)
+        z_ref = full.clone().requires_grad_()
+        y_ref = twin._decode(z_ref).sample
+        gy = seeded_randn(tuple(y_ref.shape), seed + 1).double()
+        (y_ref * gy).sum().backward()
+    parallelize_module(vae, mesh, wan_decoder_plan(vae))
+    z, local = sharded(mesh, full)
+    y = wan_decode(vae, z)
+    assert y.shape == y_ref.shape == (1, 3, 1 + 4 * (length - 1), 16, 16)
+    assert_close_per_rank(y.to_local(), lambda r: shard(y_ref.detach(), 2, world, r), mesh,
+                          **TOL)
+    (y.to_local() * rank_map(mesh, lambda r: shard(gy, 2, world, r))).sum().backward()
+    assert_close_per_rank(local.grad, lambda r: shard(z_ref.grad, 2, world, r), mesh, **TOL)
+    reduce_grads(vae, mesh)
+    for (name, p), q in zip(vae.named_parameters(), twin.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **TOL)
+
+
 def case_refusals(mesh: DeviceMesh, seed: int) -> None:
     from haloshard.integrations.diffusers import wan_encode, wan_encoder_plan
 
@@ -94,13 +125,23 @@ def test_encode_simulated(world: int, length: int) -> None:
             case_refusals(mesh, 4)
 
 
-def on_gloo(lengths: tuple[int, ...]) -> None:
+@pytest.mark.simulated
+@pytest.mark.parametrize(("world", "length"), [(2, 3), (3, 5), (4, 2)])
+def test_decode_simulated(world: int, length: int) -> None:
+    with simulated_mesh(world) as mesh:
+        case_decode(mesh, length, 7)
+
+
+def on_gloo(lengths: tuple[int, ...], decoded: tuple[int, ...]) -> None:
     mesh = worker_mesh(dist.get_world_size())
     for length in lengths:
         case_encode(mesh, length, 5)
+    for length in decoded:
+        case_decode(mesh, length, 8)
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize(("world", "lengths"), [(3, (13,)), (4, (9,))])
-def test_encode_gloo(gloo: Callable[[int], Any], world: int, lengths: tuple[int, ...]) -> None:
-    gloo(world).run(on_gloo, lengths, timeout=300)
+@pytest.mark.parametrize(("world", "lengths", "decoded"), [(3, (13,), (4,)), (4, (9,), (3,))])
+def test_wan_gloo(gloo: Callable[[int], Any], world: int, lengths: tuple[int, ...],
+                  decoded: tuple[int, ...]) -> None:
+    gloo(world).run(on_gloo, lengths, decoded, timeout=300)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -406,7 +406,7 @@ def test_gloo_2d(gloo: Callable[[int], Any]) -> None:
         (lambda: annotate(nn.Conv1d(1, 1, 3), dim=3), "dim 3 is not a spatial dim"),
         (lambda: annotate(nn.Conv1d(1, 1, 3), (1, 1)), "spec must be a HaloShard"),  # type: ignore[arg-type]
         (lambda: annotate(nn.Upsample(scale_factor=2), ResampleStencil(3)), "does not match"),
-        (lambda: HaloParallel(HaloShard(3, left=1)), "shards dim 3 but dim=2"),
+        (lambda: HaloParallel(HaloShard(3, left=1), dim=2), "shards dim 3 but dim=2"),
         (lambda: annotate(nn.MaxPool3d(2, ceil_mode=True)), "ceil_mode=True"),
         (lambda: annotate(nn.Upsample(scale_factor=2, mode="linear", align_corners=True)),
          "align_corners=True"),
@@ -423,6 +423,48 @@ def test_bad_specs(make: Callable[[], Any], match: str | None) -> None:
     with pytest.raises(HaloError, match=match.replace("(", r"\(").replace(")", r"\)")
                        .replace("[", r"\[").replace("]", r"\]")):
         make()
+
+
+class ValidSum(nn.Module):
+    """A user's own layer kind: a learned 3-frame "valid" smoothing along T (T - 2 outputs),
+    which no conv attribute describes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[2] - 2
+        return sum(w * x.narrow(2, i, n) for i, w in enumerate(self.weight))
+
+
+class ValidStencil(NamedTuple):
+    """Its stencil, written by the user: outputs [start, stop) read inputs [start, stop + 2).
+    (A NamedTuple, not a dataclass: gloo workers load this file by path.)"""
+
+    pad: str = "zeros"
+    fill: float | None = None
+    min_input: int = 3
+
+    def out_length(self, length: int) -> int:
+        return length - 2
+
+    def window(self, start: int, stop: int) -> tuple[int, int, int]:
+        return start, stop + 2, 0
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("world", "length"), [(2, 7), (3, 6), (4, 5)])
+def test_user_stencil_simulated(world: int, length: int) -> None:
+    """A stencil class of the user's own (the public protocol), given to HaloParallel."""
+    with simulated_mesh(world) as mesh:
+        module = parallelize_module(ValidSum(), mesh, HaloParallel(ValidStencil()))
+        check_module(mesh, module, seeded_randn((1, 2, length, 3), 5).double(), 6)
+
+
+def test_spec_states_dim() -> None:
+    assert HaloParallel(HaloShard(3, left=1)).dim == 3
+    assert HaloParallel(dim=4).dim == 4 and HaloParallel().dim == 2
 
 
 def test_halo_plan_entries() -> None:

@@ -57,6 +57,7 @@ from haloshard._specs import (
     WindowPlan,
     check_spec,
     derive_stencil,
+    is_stencil,
     known_forward,
     local_attrs,
     plan_windows,
@@ -127,8 +128,8 @@ def resolve(module: nn.Module, spec: HaloShard | Stencil | None = None, *, dim: 
     """
     if spec is None and isinstance(getattr(module, _ANNOTATION, None), Annotation):
         return getattr(module, _ANNOTATION)
-    if isinstance(spec, STENCILS):
-        if (isinstance(module, DERIVABLE) and known_forward(module)
+    if is_stencil(spec):
+        if (isinstance(spec, STENCILS) and isinstance(module, DERIVABLE) and known_forward(module)
                 and derive_stencil(module, dim) != spec):
             raise HaloError(f"spec {spec} does not match {type(module).__name__}, which needs "
                             f"{derive_stencil(module, dim)}; pass spec=None to derive it")

@@ -60,7 +60,7 @@ from haloshard._hooks import (
     names_errors,
     rewrap,
 )
-from haloshard._layout import HaloShard, PadMode
+from haloshard._layout import HaloShard, PadMode, shard_sizes
 from haloshard._norms import _GroupNormFn
 from haloshard._specs import (
     DERIVABLE,
@@ -122,7 +122,9 @@ class _LocalForward:
         # An empty chunk (T < P) runs as one zero slice, dropped after: convs and pooling
         # refuse empty inputs. Per-rank counts (LocalTensorMode) cannot be tested: pad by
         # what each rank lacks, zero mostly.
-        if isinstance(n, torch.SymInt) or n == 0:
+        if isinstance(n, torch.SymInt) and site.placements is not None:
+            x = _equal_chunks(x, self.dim, site)
+        elif isinstance(n, torch.SymInt) or n == 0:
             lack = _lack(n)
             x = F.pad(x, [0, 0] * (x.ndim - 1 - self.dim) + [0, lack])
         y = self.original(x, *args, **kwargs)
@@ -153,6 +155,23 @@ class _LocalForward:
 
     def inside(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return self.original(x, *args, **kwargs)
+
+
+def _equal_chunks(x: torch.Tensor, dim: int, site: _Site) -> torch.Tensor:
+    """Under simulated ranks, every rank's chunk zero-padded to the longest (at least one
+    slice): a per-slice module that folds T into the batch and back (`flatten(0, 1)` ...
+    `unflatten(0, (B, -1))`, per-frame attention) cannot run on per-rank lengths. The
+    padding slices' outputs touch no real slice and are dropped."""
+    longest = max(1, shard_sizes(site.length, site.mesh.size(site.axis))[0])
+    x = F.pad(x, [0, 0] * (x.ndim - 1 - dim) + [0, _lack_of(x.shape[dim], longest)])
+    # a fresh tensor of the padded shape: the pad's own strides may stay per-rank
+    shape = (*x.shape[:dim], longest, *x.shape[dim + 1 :])
+    return torch.empty(shape, dtype=x.dtype, device=x.device).copy_(x)
+
+
+@maybe_run_for_local_tensor
+def _lack_of(n: int, longest: int) -> int:
+    return longest - n
 
 
 @maybe_run_for_local_tensor

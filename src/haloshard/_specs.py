@@ -202,6 +202,23 @@ class ResampleStencil:
 STENCILS = (ConvStencil, TransposeStencil, ResampleStencil)
 
 
+def is_stencil(spec: object) -> bool:
+    """Whether `spec` implements the `Stencil` protocol (a user's own layer kind included):
+    `pad`, `fill`, `min_input`, `out_length` and `window`, hashable (plans cache on it).
+
+    Example::
+        >>> is_stencil(ConvStencil(span=3, pad_left=1, pad_right=1)), is_stencil(3)
+        (True, False)
+    """
+    try:
+        hash(spec)
+    except TypeError:
+        return False
+    return (all(hasattr(spec, name) for name in ("pad", "fill", "min_input"))
+            and callable(getattr(spec, "out_length", None))
+            and callable(getattr(spec, "window", None)))
+
+
 def stencil_of_spec(spec: HaloShard) -> ConvStencil:
     """The stencil of a length-preserving layer that reads `left` / `right` extra slices.
 

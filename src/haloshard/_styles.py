@@ -20,6 +20,7 @@ from haloshard import _comm
 from haloshard._errors import HaloError
 from haloshard._hooks import (
     HaloHandle,
+    LocalRun,
     annotation_of,
     attach,
     handle_of,
@@ -27,7 +28,7 @@ from haloshard._hooks import (
     resolve,
 )
 from haloshard._layout import HaloShard
-from haloshard._specs import DERIVABLE, STENCILS, Stencil, spatial_index
+from haloshard._specs import DERIVABLE, Stencil, is_stencil, spatial_index
 
 _PLAIN_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                 nn.ConvTranspose3d)
@@ -46,8 +47,9 @@ class HaloParallel(ParallelStyle):
         spec: None derives the halo from a conv / transposed conv / pooling / upsampling
             module (or uses the module's annotation); a `HaloShard` applies that halo to any
             length-preserving module, e.g. a causal wrapper that pads T with `F.pad` itself;
-            a stencil (`haloshard._specs`) describes a module that changes the length.
-        dim: the sharded dim of the module's input.
+            a stencil (any object implementing the public `haloshard.Stencil` protocol,
+            e.g. a frozen dataclass of your own) describes a module that changes the length.
+        dim: the sharded dim of the module's input; None: the spec's dim, or 2.
         overlap: run a stride-1 conv that keeps the length as `halo_conv` (its interior is
             computed while the halo travels); False exchanges first, then runs the module;
             None (the default) picks the faster of the two once per input signature by
@@ -56,6 +58,9 @@ class HaloParallel(ParallelStyle):
             cannot be timed (compiled or simulated, or under
             `torch.use_deterministic_algorithms`). Both are exact. A conv subclass with a
             forward of its own always runs that forward.
+        local: how the module runs on its window, `local(forward, window, *args,
+            **kwargs) -> output`, for a module whose rule along the dim lives in a protocol
+            of its own (a feature cache, say); None calls `forward(window, ...)`.
 
     A module may return a tuple whose first element is its output (`(output, cache)`): that
     element is sharded and the others come back as None, since a window's cache is not the
@@ -73,25 +78,27 @@ class HaloParallel(ParallelStyle):
         ((Shard(dim=2),), 17)
     """
 
-    def __init__(self, spec: HaloShard | Stencil | None = None, *, dim: int = 2,
-                 overlap: bool | None = None) -> None:
+    def __init__(self, spec: HaloShard | Stencil | None = None, *, dim: int | None = None,
+                 overlap: bool | None = None, local: LocalRun | None = None) -> None:
         super().__init__()
-        if spec is not None and not isinstance(spec, (HaloShard, *STENCILS)):
+        if spec is not None and not isinstance(spec, HaloShard) and not is_stencil(spec):
             raise HaloError(f"spec must be a HaloShard, a stencil or None, got "
                             f"{type(spec).__name__}")
-        if isinstance(spec, HaloShard) and spec.dim != dim:
+        if isinstance(spec, HaloShard) and dim is not None and spec.dim != dim:
             raise HaloError(f"spec {spec!r} shards dim {spec.dim} but dim={dim}; expected "
-                            "the same dim")
-        self.spec, self.dim, self.overlap = spec, dim, overlap
+                            "the same dim (or no dim: the spec states it)")
+        self.spec, self.overlap, self.local = spec, overlap, local
+        self.dim = spec.dim if isinstance(spec, HaloShard) else 2 if dim is None else dim
 
     def __repr__(self) -> str:
         extra = "" if self.overlap is None else f", overlap={self.overlap}"
+        extra += "" if self.local is None else f", local={self.local!r}"
         return f"HaloParallel(spec={self.spec!r}, dim={self.dim}{extra})"
 
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         attach(module, resolve(module, self.spec, dim=self.dim), device_mesh,
-               overlap=self.overlap)
+               overlap=self.overlap, local=self.local)
         return module
 
 

@@ -11,9 +11,10 @@ tests/test_diffusers.py):
 - `AutoencoderKLMochi`: encoder and decoder, causal attention along T per pixel;
 - `AutoencoderKLLTXVideo`: the 0.9.0 configuration (no residual upsamplers, no timestep
   conditioning: those raise `HaloError`).
-- `AutoencoderKLWan` (Wan 2.1 encoder): `wan_encoder_plan(vae)` and `wan_encode(vae, x)`
-  (`haloshard.integrations._wan`, re-exported here) give exactly `vae._encode`'s chunk loop
-  (T = 1 + 4k); `plan_for` refers Wan models there. The decoder is not supported.
+- `AutoencoderKLWan` (Wan 2.1): `wan_encoder_plan(vae)` with `wan_encode(vae, x)`, and
+  `wan_decoder_plan(vae)` with `wan_decode(vae, z)` (`haloshard.integrations._wan`,
+  re-exported here) give exactly `vae._encode`'s chunk loop (T = 1 + 4k) and `vae._decode`'s
+  frame loop; `plan_for` refers Wan models there.
 
 Each plan covers every layer with parameters or a temporal extent, by class; a layer of a
 kind the plan does not know raises `HaloError` naming it by fqn, rather than being left to
@@ -33,7 +34,6 @@ DTensor's default dispatch. The styles that only these models need live here:
 - `MochiBlockParallel`, `MochiUpBlockParallel`: Mochi's blocks with causal attention along
   T per pixel, and depth-to-space along T.
 - `LTXUpsamplerParallel`: a conv before depth-to-space along T, on windows with its reach.
-- `FramewiseParallel`: per-frame layers (Mochi's chunked GroupNorm, channels-last norms).
 
 diffusers is imported only when a function here is called.
 """
@@ -58,7 +58,6 @@ from haloshard._errors import HaloError, named
 from haloshard._hooks import (
     Annotation,
     _dtensor_site,
-    _Site,
     attach,
     install,
     names_errors,
@@ -68,27 +67,36 @@ from haloshard._layer_styles import (
     FirstFrameParallel,
     GroupNormParallel,
     LocalParallel,
-    _LocalForward,
 )
 from haloshard._layout import HaloShard, PadMode, shard_size_and_offset, shard_sizes
 from haloshard._masked_attention import frame_attention, lack
 from haloshard._norms import group_norm
-from haloshard._specs import DERIVABLE
 from haloshard._styles import HaloParallel
-from haloshard.integrations._wan import cached_downsample, wan_encode, wan_encoder_plan
+from haloshard.integrations._wan import (
+    CachedUpStencil,
+    cached_downsample,
+    cached_upsample,
+    wan_decode,
+    wan_decoder_plan,
+    wan_encode,
+    wan_encoder_plan,
+)
 
 __all__ = [
     "plan_for",
     "wan_encoder_plan",
     "wan_encode",
+    "wan_decoder_plan",
+    "wan_decode",
     "cached_downsample",
+    "cached_upsample",
+    "CachedUpStencil",
     "HunyuanMidBlockParallel",
     "HunyuanUpsampleParallel",
     "CogSpatialNormParallel",
     "MochiBlockParallel",
     "MochiUpBlockParallel",
     "LTXUpsamplerParallel",
-    "FramewiseParallel",
     "UpCausalStencil",
     "RepeatStencil",
     "ConvDepthToSpaceStencil",
@@ -101,43 +109,6 @@ _PAD = {"replicate": "replicate", "constant": "zeros", "zeros": "zeros"}
 def _check_class(module: nn.Module, name: str, style: str) -> None:
     if type(module).__name__ != name:
         raise HaloError(f"{style} applies to diffusers' {name}, got {type(module).__name__}")
-
-
-# ---------------------------------------------------------------- per-frame layers
-class _FramewiseForward(_LocalForward):
-    """`LocalParallel`'s forward whose simulated ranks all run chunks of one length.
-
-    Under `LocalTensorMode` a per-frame module that folds T into the batch and back
-    (`flatten(0, 1)` ... `unflatten(0, (B, -1))`, Mochi's chunked GroupNorm) cannot run
-    on per-rank lengths; every chunk is zero-padded to the longest, and the padding frames'
-    outputs (computed per frame, so they touch no real frame) are dropped.
-    """
-
-    style = "FramewiseParallel"
-
-    def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if enabled_local_tensor_mode() is None or site.placements is None:
-            return super().local(site, *args, **kwargs)
-        x, n = site.local, site.local.shape[self.dim]
-        longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
-        x = F.pad(x, [0, 0] * (x.ndim - 1 - self.dim) + [0, lack(n, longest)])
-        # a fresh tensor of the padded shape: the pad's own strides may stay per-rank
-        shape = (*x.shape[: self.dim], longest, *x.shape[self.dim + 1 :])
-        x = torch.empty(shape, dtype=x.dtype, device=x.device).copy_(x)
-        return self.original(x, *args, **kwargs).narrow(self.dim, 0, n)
-
-
-class FramewiseParallel(LocalParallel):
-    """`LocalParallel` for a module that acts on each frame alone, exact; under simulated
-    ranks every rank runs a chunk of the same length (see `_FramewiseForward`)."""
-
-    forward_type = _FramewiseForward
-
-    def _validate(self, module: nn.Module) -> None:
-        if self.dim < 1 or isinstance(module, DERIVABLE):
-            raise HaloError(f"FramewiseParallel is for per-frame modules on dim >= 1 (not "
-                            f"convs or pooling: use LocalParallel or HaloParallel), got "
-                            f"{type(module).__name__} on dim {self.dim}")
 
 
 # ---------------------------------------------------------------- HunyuanVideo upsampler
@@ -755,21 +726,21 @@ _COGVIDEOX: dict[str, _Rule] = {
 
 _MOCHI: dict[str, _Rule] = {
     "CogVideoXCausalConv3d": (_cog_causal_conv, True),
-    "MochiChunkedGroupNorm3D": (lambda m: FramewiseParallel(), True),
+    "MochiChunkedGroupNorm3D": (lambda m: LocalParallel(), True),
     "MochiDownBlock3D": (lambda m: MochiBlockParallel(), False),
     "MochiMidBlock3D": (lambda m: MochiBlockParallel(), False),
     "MochiUpBlock3D": (lambda m: MochiUpBlockParallel(), ("proj",)),
     "Attention": (lambda m: None, True),  # run by the block's style
-    "FourierFeatures": (lambda m: FramewiseParallel(), True),
-    "Linear": (lambda m: FramewiseParallel(dim=1), True),  # proj_in / proj_out, channels-last
+    "FourierFeatures": (lambda m: LocalParallel(), True),
+    "Linear": (lambda m: LocalParallel(dim=1), True),  # proj_in / proj_out, channels-last
     "Conv3d": (lambda m: _pointwise(m), True),  # the decoder's 1x1 conv_in
 }
 
 _LTX: dict[str, _Rule] = {
     "LTXVideoCausalConv3d": (_ltx_causal_conv, True),
     "LTXVideoUpsampler3d": (lambda m: LTXUpsamplerParallel(), True),
-    "RMSNorm": (lambda m: FramewiseParallel(dim=1), True),  # channels-last, per token
-    "LayerNorm": (lambda m: FramewiseParallel(dim=1), True),
+    "RMSNorm": (lambda m: LocalParallel(dim=1), True),  # channels-last, per token
+    "LayerNorm": (lambda m: LocalParallel(dim=1), True),
 }
 
 _PLANS: dict[str, dict[str, _Rule]] = {
@@ -818,9 +789,9 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
     """
     rules = _PLANS.get(type(module).__name__)
     if type(module).__name__ in ("AutoencoderKLWan", "WanEncoder3d", "WanDecoder3d"):
-        raise HaloError(f"{type(module).__name__}: Wan's encode is a chunk loop with a feature "
-                        "cache; use wan_encoder_plan(vae) and wan_encode(vae, x) (the encoder "
-                        "only)")
+        raise HaloError(f"{type(module).__name__}: Wan's encode and decode are chunk loops "
+                        "with a feature cache; use wan_encoder_plan(vae) with wan_encode(vae, "
+                        "x), and wan_decoder_plan(vae) with wan_decode(vae, z)")
     if rules is None:
         raise HaloError(f"no haloshard plan for {type(module).__name__}; supported: "
                         f"{sorted(_PLANS)} (diffusers=={DIFFUSERS_VERSION})")
