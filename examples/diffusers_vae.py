@@ -1,9 +1,11 @@
 """A diffusers video VAE encoding and decoding a clip with T sharded over gloo ranks.
 
 A tiny random-init video VAE of diffusers 0.42.1 (`--model hunyuan`, `cogvideox`, `mochi`,
-`ltx`: the real configuration, causal convs, norms, attention, temporal down- and
+`ltx`, `wan`: the real configuration, causal convs, norms, attention, temporal down- and
 upsampling; fewer channels) is parallelized with
-`haloshard.integrations.diffusers.plan_for` and run on P processes. Each
+`haloshard.integrations.diffusers.plan_for` (Wan: `wan_encoder_plan` and `wan_decoder_plan`,
+whose `wan_encode` / `wan_decode` equal its chunk loops `_encode` / `_decode`) and run on P
+processes. Each
 rank also runs the single-device model and prints the largest difference of its shard, and
 the activation bytes autograd keeps for a backward through encode + decode (the training
 peak) against one device:
@@ -27,7 +29,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from haloshard.integrations.diffusers import plan_for
+from haloshard.integrations.diffusers import (
+    plan_for,
+    wan_decode,
+    wan_decoder_plan,
+    wan_encode,
+    wan_encoder_plan,
+)
 from haloshard.testing import GlooWorld, shard, worker_mesh
 
 
@@ -68,8 +76,15 @@ def ltx(channels: int) -> nn.Module:
         decoder_layers_per_block=(1,) * 5)
 
 
+def wan(channels: int) -> nn.Module:
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(base_dim=channels, z_dim=LATENT, dim_mult=[1, 2, 2],
+                            num_res_blocks=1, temperal_downsample=[True, True])
+
+
 MODELS: dict[str, Callable[[int], nn.Module]] = {
-    "hunyuan": hunyuan, "cogvideox": cogvideox, "mochi": mochi, "ltx": ltx}
+    "hunyuan": hunyuan, "cogvideox": cogvideox, "mochi": mochi, "ltx": ltx, "wan": wan}
 LATENT = 4
 
 
@@ -79,7 +94,13 @@ def _first(out: Any) -> Any:
 
 def encode_decode(vae: nn.Module, x: torch.Tensor) -> tuple[Any, Any]:
     """The posterior mean of `vae.encode(x)` and its decoding, as the VAE computes them
-    (without its frame batching, tiling and slicing)."""
+    (without its frame batching, tiling and slicing; Wan: its chunk loops)."""
+    if type(vae).__name__ == "AutoencoderKLWan":
+        if isinstance(x, DTensor):
+            z = wan_encode(vae, x)[:, :LATENT]
+            return z, wan_decode(vae, z)
+        z = vae._encode(x)[:, :LATENT]
+        return z, vae._decode(z).sample
     h = _first(vae.encoder(x))
     if getattr(vae, "quant_conv", None) is not None:
         h = vae.quant_conv(h)
@@ -115,7 +136,9 @@ def on_rank(model: str, frames: int, size: int, channels: int) -> dict[str, floa
     with saved_bytes() as single:
         z_ref, y_ref = encode_decode(vae, x.requires_grad_())
     sharded_vae = copy.deepcopy(vae)
-    parallelize_module(sharded_vae, mesh, plan_for(sharded_vae))
+    plan = ({**wan_encoder_plan(sharded_vae), **wan_decoder_plan(sharded_vae)} if model == "wan"
+            else plan_for(sharded_vae))
+    parallelize_module(sharded_vae, mesh, plan)
     local = shard(x.detach(), 2, world, rank).requires_grad_()
     xs = DTensor.from_local(local, mesh, [Shard(2)], shape=x.shape, stride=x.stride())
     with saved_bytes() as mine:
