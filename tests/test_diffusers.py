@@ -15,6 +15,7 @@ parameter gradients sum over every frame and pixel, split over ranks, through ~3
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -24,10 +25,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
-from haloshard import HaloError, LocalParallel, verify_plan
+from haloshard import HaloError, LocalParallel, reduce_grads, verify_plan
 from haloshard.integrations.diffusers import plan_for
 from haloshard.testing import (
+    assert_close_per_rank,
+    rank_map,
     seeded_randn,
+    shard,
+    sharded,
     simulated_mesh,
     single_device,
     worker_mesh,
@@ -89,6 +94,19 @@ def ltx(dtype: torch.dtype = torch.float64) -> nn.Module:
         return vae.to(dtype).eval()
 
 
+def ltx_residual(dtype: torch.dtype = torch.float64) -> nn.Module:
+    from diffusers import AutoencoderKLLTXVideo
+
+    with single_device():  # the later decoders' residual upsamplers halving the channels
+        torch.manual_seed(0)
+        vae = AutoencoderKLLTXVideo(
+            latent_channels=4, block_out_channels=(8,) * 4, layers_per_block=(1,) * 5,
+            decoder_block_out_channels=(8, 16, 32), decoder_layers_per_block=(1,) * 4,
+            decoder_spatio_temporal_scaling=(True,) * 3, decoder_inject_noise=(False,) * 4,
+            upsample_residual=(True,) * 3, upsample_factor=(2,) * 3)
+        return vae.to(dtype).eval()
+
+
 # model: (factory, encoder input shape, decoder input shape); T = 9 frames, 3 latent frames
 MODELS: dict[str, tuple[Callable[..., nn.Module], tuple[int, ...], tuple[int, ...]]] = {
     "hunyuan": (hunyuan, (1, 3, 9, 8, 8), (1, 4, 3, 2, 2)),
@@ -98,6 +116,7 @@ MODELS: dict[str, tuple[Callable[..., nn.Module], tuple[int, ...], tuple[int, ..
     "mochi": (mochi, (1, 3, 7, 16, 16), (1, 4, 3, 2, 2)),
     # patch 4, three stride-2 causal downsamplers: 9 frames 32x32 -> 2 latent frames 1x1
     "ltx": (ltx, (1, 3, 9, 32, 32), (1, 4, 3, 1, 1)),
+    "ltx_residual": (ltx_residual, (1, 3, 9, 32, 32), (1, 4, 3, 1, 1)),
 }
 # diffusers' RMSNorm computes its variance in float32 even for a float64 model: both runs
 # round it at float32 eps (1.2e-7) in their own order, through ~15 norms, and the backward
@@ -114,7 +133,7 @@ def check(name: str, part: str, mesh: Any, dtype: torch.dtype = torch.float64,
     module = getattr(vae, part)
     x = seeded_randn(enc_shape if part == "encoder" else dec_shape, 1, dtype)
     run = (lambda m, t: m(t)[0]) if name in TUPLES else None
-    tol = LTX_TOL if name == "ltx" and tol is TOL else tol
+    tol = LTX_TOL if name.startswith("ltx") and tol is TOL else tol
     report = verify_plan(module, plan_for(module), x, mesh, run=run, **tol)
     assert report.ok, f"{name} {part}: {report}"
     assert len(report.outputs) > 20 and len(report.param_grads) > 20, report
@@ -134,10 +153,51 @@ def check(name: str, part: str, mesh: Any, dtype: torch.dtype = torch.float64,
     ("ltx", "encoder", 4),  # 3, 3, 3, 0 -> 5: 2, 2, 1, 0 -> 3 -> 2: 1, 1, 0, 0
     # 3 latent frames: 1, 1, 1 -> conv before depth-to-space: 5 as 2, 2, 1 -> 9 -> 17
     ("ltx", "decoder", 3),
+    ("ltx_residual", "decoder", 3),  # residual depth-to-space, upscale_factor 2
 ])
 def test_exact_simulated(name: str, part: str, world: int) -> None:
     with simulated_mesh(world) as mesh:
         check(name, part, mesh)
+
+
+def case_cogvideox_loop(mesh: Any, part: str, length: int) -> None:
+    """`cogvideox_encode` / `cogvideox_decode` against the VAE's own loops over frame
+    batches (`_encode`: 8 frames, `_decode`: 2 latent frames, GroupNorm per batch)."""
+    from haloshard.integrations.diffusers import cogvideox_decode, cogvideox_encode
+
+    world = mesh.size()
+    vae = cogvideox()
+    with single_device():
+        shape = (1, 3, length, 8, 8) if part == "encoder" else (1, 4, length, 2, 2)
+        full = seeded_randn(shape, 3)
+        twin = copy.deepcopy(vae)
+        x_ref = full.clone().requires_grad_()
+        y_ref = twin._encode(x_ref) if part == "encoder" else twin._decode(x_ref).sample
+        gy = seeded_randn(tuple(y_ref.shape), 4)
+        (y_ref * gy).sum().backward()
+    parallelize_module(vae, mesh, plan_for(vae))
+    x, local = sharded(mesh, full)
+    y = (cogvideox_encode if part == "encoder" else cogvideox_decode)(vae, x)
+    assert y.shape == y_ref.shape
+    assert_close_per_rank(y.to_local(), lambda r: shard(y_ref.detach(), 2, world, r), mesh,
+                          **TOL)
+    (y.to_local() * rank_map(mesh, lambda r: shard(gy, 2, world, r))).sum().backward()
+    assert_close_per_rank(local.grad, lambda r: shard(x_ref.grad, 2, world, r), mesh, **TOL)
+    reduce_grads(vae, mesh)
+    for p, q in zip(vae.parameters(), twin.parameters(), strict=True):
+        if q.grad is not None:
+            assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **TOL)
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("part", "length", "world"), [
+    ("encoder", 17, 3),  # batches 9, 8 -> 5, 4 -> 3, 2; shards 6, 6, 5 cross the batch edge
+    ("encoder", 24, 2),  # batches 8, 8, 8: even, pairs from frame 0
+    ("decoder", 7, 4),   # latent batches 3, 2, 2 -> 5, 4, 4 -> 9, 8, 8; shards 2, 2, 2, 1
+])
+def test_cogvideox_loop_simulated(part: str, length: int, world: int) -> None:
+    with simulated_mesh(world) as mesh:
+        case_cogvideox_loop(mesh, part, length)
 
 
 @pytest.mark.simulated
@@ -187,7 +247,9 @@ def test_plan_errors() -> None:
 
 
 def on_gloo(part: str) -> None:
-    check("hunyuan", part, worker_mesh(dist.get_world_size()))
+    mesh = worker_mesh(dist.get_world_size())
+    check("hunyuan", part, mesh)
+    case_cogvideox_loop(mesh, part, 17 if part == "encoder" else 5)
 
 
 @pytest.mark.gloo

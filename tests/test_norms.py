@@ -59,10 +59,55 @@ def case_group_norm(mesh: DeviceMesh, channels: int, groups: int, length: int,
         torch.testing.assert_close(sum_over_ranks(got, mesh), want, atol=tol, rtol=0)
 
 
+# (channels, groups, segment lengths, sharded dim): segments inside a shard, across shard
+# edges, of one slice, on the last dim
+SEGMENTED = [(6, 3, (3, 2, 2), 2), (4, 2, (1, 4), 2), (4, 1, (5, 1, 3), 3), (8, 4, (2, 3), 4)]
+
+
+def case_segmented(mesh: DeviceMesh, channels: int, groups: int,
+                   segments: tuple[int, ...], dim: int) -> None:
+    """Each segment normalised alone, as a loop of `F.group_norm` over frame batches."""
+    world, length = mesh.size(), sum(segments)
+    with single_device():
+        gen = torch.Generator().manual_seed(channels + length)
+        shape = [2, channels, 3, 2, 2]
+        shape[dim] = length
+        full = torch.randn(shape, generator=gen, dtype=torch.float64) * 3 + 5
+        weight, bias = (torch.randn(channels, generator=gen, dtype=torch.float64)
+                        for _ in range(2))
+        upstream = torch.randn(full.shape, generator=gen, dtype=torch.float64)
+        ref_in = full.clone().requires_grad_()
+        ref_w, ref_b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        ref = torch.cat([F.group_norm(part, groups, ref_w, ref_b, 1e-5)
+                         for part in ref_in.split(segments, dim)], dim)
+        (ref * upstream).sum().backward()
+    x = rank_map(mesh, lambda r: shard(full, dim, world, r).clone()).requires_grad_()
+    w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    y = group_norm(x, groups, w, b, 1e-5, mesh, segments=segments, dim=dim)
+    (y * rank_map(mesh, lambda r: shard(upstream, dim, world, r))).sum().backward()
+    assert_close_per_rank(y, lambda r: shard(ref, dim, world, r).detach(), mesh, atol=1e-10,
+                          rtol=0)
+    assert_close_per_rank(x.grad, lambda r: shard(ref_in.grad, dim, world, r), mesh,
+                          atol=1e-10, rtol=0)
+    for got, want in ((w.grad, ref_w.grad), (b.grad, ref_b.grad)):
+        torch.testing.assert_close(sum_over_ranks(got, mesh), want, atol=1e-10, rtol=0)
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("channels", "groups", "segments", "dim"), SEGMENTED)
+def test_segmented_simulated(channels: int, groups: int, segments: tuple[int, ...],
+                             dim: int) -> None:
+    with simulated_mesh(3) as mesh:
+        case_segmented(mesh, channels, groups, segments, dim)
+
+
 def on_gloo(dtype: torch.dtype) -> None:
     mesh = worker_mesh(dist.get_world_size())
     for channels, groups, length in GEOMETRY:
         case_group_norm(mesh, channels, groups, length, dtype)
+    if dtype == torch.float64:
+        for geometry in SEGMENTED:
+            case_segmented(mesh, *geometry)
 
 
 @pytest.mark.gloo

@@ -24,6 +24,7 @@ from haloshard._layout import PAD_MODES, HaloShard, shard_size_and_offset, shard
 from haloshard._masked_attention import frame_attention
 from haloshard._norms import group_norm
 from haloshard._redistribute import redistribute
+from haloshard._segments import frame_batches
 from haloshard._specs import ConvStencil, ResampleStencil, Stencil, TransposeStencil
 from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
 from haloshard._varlen import packed, varlen_conv
@@ -64,9 +65,10 @@ __all__ = [
     "attention",
     "frame_attention",
     "gather_along",
-    # packed variable-length sequences
+    # packed variable-length sequences; models run as loops over frame batches
     "varlen_conv",
     "packed",
+    "frame_batches",
     # checking a plan against one device
     "verify_plan",
     "PlanReport",

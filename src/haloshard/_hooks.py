@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
-from haloshard import _comm
+from haloshard import _comm, _segments
 from haloshard._conv import halo_conv
 from haloshard._errors import HaloError, named
 from haloshard._exchange import Reuse, exchange
@@ -368,6 +368,7 @@ class _HaloForward:
             return _packed_conv(self, site)
         plan = plan_windows(annotation.stencil, site.length, site.mesh.size(site.axis),
                             uniform=enabled_local_tensor_mode() is not None)
+        _segments.follow(site.length, plan.out_length, annotation.stencil)
         reuse = self.reuse(site)
         if (self.overlap is not False and _overlappable(self.module, annotation, plan)
                 and self.overlaps(site, plan, reuse)):

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
-from haloshard import _comm
+from haloshard import _comm, _segments
 from haloshard._attention import gather_many
 from haloshard._errors import HaloError, named
 from haloshard._hooks import (
@@ -61,7 +61,7 @@ from haloshard._hooks import (
     rewrap,
 )
 from haloshard._layout import HaloShard, PadMode, shard_sizes
-from haloshard._norms import _GroupNormFn
+from haloshard._norms import group_norm
 from haloshard._specs import (
     DERIVABLE,
     ConvStencil,
@@ -249,9 +249,9 @@ class _GroupNormForward(_LocalForward):
         gn = self.module
         assert isinstance(gn, nn.GroupNorm)
         # `_GroupNormFn` checks C against the groups on every rank, inside its gather.
-        grp = _comm.resolve_group((site.mesh, site.axis))
-        return _GroupNormFn.apply(site.local, gn.weight, gn.bias, gn.num_groups, gn.eps,
-                                    grp)
+        return group_norm(site.local, gn.num_groups, gn.weight, gn.bias, gn.eps,
+                          (site.mesh, site.axis), segments=_segments.at(site.length),
+                          dim=self.dim)
 
     def inside(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         raise HaloError("GroupNormParallel cannot run inside a halo module (its input is a "

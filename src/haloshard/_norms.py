@@ -13,6 +13,7 @@ so a mismatch on one rank raises `HaloError` on every rank. The backward is writ
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from haloshard import _comm
 from haloshard._comm import GroupLike
 from haloshard._errors import HaloError, raise_rejected
 from haloshard._exchange import _dtype_code, _tensor_problem, shown
+from haloshard._segments import Segments, local_segments
 
 # The statistics all-gather has a fixed-size first block: a metadata row, then as many
 # statistics as fit. Every rank sends the same number of values whatever its arguments, so a
@@ -29,7 +31,7 @@ from haloshard._exchange import _dtype_code, _tensor_problem, shown
 # with more than fits (3 * B * G > _BLOCK - len(_META)) sends the rest in a second gather,
 # once every rank has agreed on B and G.
 _META = ("error", "ndim", "batch", "channels", "num_groups", "dtype", "eps", "weight",
-         "bias", "requires_grad")
+         "bias", "requires_grad", "segments")
 _BLOCK = 1024
 
 
@@ -54,12 +56,12 @@ def _norm_problem(x: object, groups: object, weight: object, bias: object) -> st
     return None
 
 
-def _meta_row(x: Any, groups: Any, eps: Any, weight: Any, bias: Any, error: bool
-              ) -> list[float]:
+def _meta_row(x: Any, groups: Any, eps: Any, weight: Any, bias: Any, error: bool,
+              segments: int) -> list[float]:
     if error:
         return [1.0] + [-1.0] * (len(_META) - 1)
     return [0.0, x.ndim, x.shape[0], x.shape[1], groups, _dtype_code(x.dtype), float(eps),
-            weight is not None, bias is not None, x.requires_grad]
+            weight is not None, bias is not None, x.requires_grad, segments]
 
 
 @maybe_run_for_local_tensor
@@ -77,13 +79,15 @@ def _check_meta(rows: list[list[float]], own: str | None) -> None:
 
 
 def _gather_stats(x: torch.Tensor, groups: int, eps: float, weight: Any, bias: Any,
-                  problem: str | None, grp: _comm.Group) -> torch.Tensor:
+                  problem: str | None, grp: _comm.Group, seg: Segments | None = None
+                  ) -> torch.Tensor:
     """Every rank's `(3, B, G)` statistics, `(P, 3, B, G)`, after every rank has agreed on
     the arguments (in the same all-gather: see `_BLOCK`)."""
-    meta = torch.tensor(_meta_row(x, groups, eps, weight, bias, problem is not None),
+    meta = torch.tensor(_meta_row(x, groups, eps, weight, bias, problem is not None,
+                                  1 if seg is None else seg.count),
                         dtype=torch.float64, device=_device(x))
     if problem is None:
-        local = _local_stats(x, groups)
+        local = _local_stats(x, groups, seg)
         flat = local.reshape(-1).to(torch.float64)
     else:
         flat = meta.new_zeros(0)
@@ -107,22 +111,80 @@ def _device(x: Any) -> torch.device:
     return x.device
 
 
-def _local_stats(x: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """`(B, C, ...) -> (3, B, G)`: count, mean and M2 (sum of squared deviations).
+def _local_stats(x: torch.Tensor, num_groups: int, seg: Segments | None = None
+                 ) -> torch.Tensor:
+    """`(B, C, ...) -> (3, B, G)`: count, mean and M2 (sum of squared deviations); with
+    segments, `(3, B * S, G)`: one row per (batch, segment).
 
     Reduced per channel first, with `x` left in its own layout (no reshape of a strided,
     possibly empty shard), then channels are combined into groups on `(B, C)`-sized tensors.
     """
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    if seg is not None:
+        return _segment_stats(xf, num_groups, seg)
     within = tuple(range(2, x.ndim))
     per_channel = math.prod(x.shape[2:])
     mean_c = xf.sum(within) / torch.sym_max(per_channel, 1)
     m2_c = ((xf - mean_c.view(*mean_c.shape, *([1] * len(within)))) ** 2).sum(within)
+    return _group_stats(mean_c, m2_c, per_channel, num_groups)
+
+
+def _group_stats(mean_c: torch.Tensor, m2_c: torch.Tensor, per_channel: Any,
+                 num_groups: int) -> torch.Tensor:
+    """Per-channel `(R, C)` means and M2 over `per_channel` values each (a number, or an
+    `(R, 1)` tensor) -> `(3, R, G)` statistics of the channel groups."""
     mean_c, m2_c = (t.unflatten(1, (num_groups, -1)) for t in (mean_c, m2_c))
     mean = mean_c.mean(-1)
     m2 = m2_c.sum(-1) + per_channel * ((mean_c - mean.unsqueeze(-1)) ** 2).sum(-1)
     count = mean.new_ones(mean.shape) * (per_channel * mean_c.shape[-1])
     return torch.stack([count, mean, m2])
+
+
+def _segment_stats(xf: torch.Tensor, num_groups: int, seg: Segments) -> torch.Tensor:
+    """`_local_stats` per (batch, segment): each local slice along `seg.dim` counts in the
+    segment `seg.ids` gives it; a segment with no local slice has count 0."""
+    rest = tuple(i for i in range(2, xf.ndim) if i != seg.dim)
+    per_slice = math.prod(xf.shape[i] for i in rest)
+    sums = xf.sum(rest) if rest else xf  # (B, C, T_r)
+    count = torch.zeros(seg.count, dtype=xf.dtype, device=xf.device).index_add_(
+        0, seg.ids, torch.ones_like(seg.ids, dtype=xf.dtype)) * per_slice  # (S,)
+    mean_c = sums.new_zeros(*sums.shape[:2], seg.count).index_add_(2, seg.ids, sums)
+    mean_c = mean_c / count.clamp(min=1.0)
+    dev = (xf - _at_slices(mean_c, seg, xf.ndim)) ** 2
+    m2_c = mean_c.new_zeros(mean_c.shape).index_add_(2, seg.ids, dev.sum(rest) if rest else dev)
+    rows = (mean_c, m2_c)  # (B, C, S) -> (B * S, C): segments as extra batch rows
+    mean_c, m2_c = (t.movedim(2, 1).flatten(0, 1) for t in rows)
+    per_channel = count.repeat(xf.shape[0]).unsqueeze(-1)
+    return _group_stats(mean_c, m2_c, per_channel, num_groups)
+
+
+def _at_slices(t: torch.Tensor, seg: Segments, ndim: int) -> torch.Tensor:
+    """`(B, C, S) -> (B, C, ...)` broadcastable to x: each slice's segment value."""
+    picked = t.index_select(2, seg.ids)  # (B, C, T_r)
+    shape = [1] * ndim
+    shape[0], shape[1], shape[seg.dim] = picked.shape
+    return picked.reshape(shape)  # the other dims are 1: the order of B, C, T_r stays
+
+
+def _expand(t: torch.Tensor, channels: int, ndim: int, seg: Segments | None
+            ) -> torch.Tensor:
+    """A per-(row, group) value `(R, G)` for every channel, broadcastable to x: rows are
+    batches, or (batch, segment) pairs whose value each slice of the segment takes."""
+    if seg is None:
+        return _per_channel(t, channels, ndim)
+    per_c = t.repeat_interleave(channels // t.shape[1], dim=1)  # (B * S, C)
+    return _at_slices(per_c.unflatten(0, (-1, seg.count)).movedim(1, 2), seg, ndim)
+
+
+def _segment_sums(t: torch.Tensor, within: tuple[int, ...], seg: Segments | None
+                  ) -> torch.Tensor:
+    """Per-channel sums of `t` over `within`, `(B, C)`; with segments `(B * S, C)`."""
+    if seg is None:
+        return t.sum(within)
+    rest = tuple(i for i in within if i != seg.dim)
+    sums = t.sum(rest) if rest else t  # (B, C, T_r)
+    per_seg = sums.new_zeros(*sums.shape[:2], seg.count).index_add_(2, seg.ids, sums)
+    return per_seg.movedim(2, 1).flatten(0, 1)
 
 
 def _combine(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,17 +220,17 @@ class _GroupNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,  # type: ignore[override]
-                bias: torch.Tensor | None, groups: int, eps: float, grp: _comm.Group
-                ) -> torch.Tensor:
+                bias: torch.Tensor | None, groups: int, eps: float, grp: _comm.Group,
+                seg: Segments | None = None) -> torch.Tensor:
         stats = _gather_stats(x, groups, eps, weight, bias,
-                              _norm_problem(x, groups, weight, bias), grp)
+                              _norm_problem(x, groups, weight, bias), grp, seg)
         mean, var = _combine(stats)
         rstd = torch.rsqrt(var + eps)
         ctx.save_for_backward(x, weight, mean, rstd, stats[:, 0].sum(0))
-        ctx.grp, ctx.bias_dtype = grp, None if bias is None else bias.dtype
+        ctx.grp, ctx.bias_dtype, ctx.seg = grp, None if bias is None else bias.dtype, seg
         work = torch.promote_types(x.dtype, torch.float32)
         c, n = x.shape[1], x.ndim
-        y = (x.to(work) - _per_channel(mean, c, n)) * _per_channel(rstd, c, n)
+        y = (x.to(work) - _expand(mean, c, n, seg)) * _expand(rstd, c, n, seg)
         if weight is not None:
             y = y * weight.to(work).view(-1, *([1] * (n - 2)))
         if bias is not None:
@@ -178,24 +240,26 @@ class _GroupNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x, weight, mean, rstd, count = ctx.saved_tensors
+        seg = ctx.seg
         work = torch.promote_types(x.dtype, torch.float32)
         c, n, within = x.shape[1], x.ndim, tuple(range(2, x.ndim))
-        xh = (x.to(work) - _per_channel(mean, c, n)) * _per_channel(rstd, c, n)
+        xh = (x.to(work) - _expand(mean, c, n, seg)) * _expand(rstd, c, n, seg)
         dy = dy.to(work)
         dxh = dy if weight is None else dy * weight.to(work).view(-1, *([1] * (n - 2)))
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            sums = torch.stack([dxh.sum(within), (dxh * xh).sum(within)])  # (2, B, C)
+            sums = torch.stack([_segment_sums(dxh, within, seg),
+                                _segment_sums(dxh * xh, within, seg)])  # (2, R, C)
             sums = _comm.all_reduce_sum(sums.unflatten(2, (mean.shape[1], -1)).sum(-1),
                                         ctx.grp, "group_norm backward all-reduce")
             sums = sums / count.clamp(min=1.0)
-            m1, m2 = (_per_channel(t, c, n) for t in sums)
-            dx = (_per_channel(rstd, c, n) * (dxh - m1 - xh * m2)).to(x.dtype)
+            m1, m2 = (_expand(t, c, n, seg) for t in sums)
+            dx = (_expand(rstd, c, n, seg) * (dxh - m1 - xh * m2)).to(x.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
             dw = (dy * xh).sum((0, *within)).to(weight.dtype)
         if ctx.needs_input_grad[2]:
             db = dy.sum((0, *within)).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def group_norm(
@@ -205,6 +269,9 @@ def group_norm(
     bias: torch.Tensor | None,
     eps: float,
     group: GroupLike,
+    *,
+    segments: Sequence[int] | None = None,
+    dim: int = 2,
 ) -> torch.Tensor:
     """`F.group_norm` of the global tensor, on this rank's shard of any non-channel dim.
 
@@ -218,14 +285,25 @@ def group_norm(
         weight, bias: per-channel affine parameters `(C,)` or None.
         eps: added to the variance.
         group: the ranks sharing the sharded dim (as for `halo_exchange`).
+        segments: None, or the global lengths of consecutive segments along `dim` (the
+            `Shard` chunks of their sum): each segment is normalised with its own
+            statistics, as a loop calling `F.group_norm` on each would (frame batches).
+        dim: the sharded dim, for `segments`.
 
     Raises:
         HaloError: on every rank, when C is not divisible by num_groups or the ranks
-            disagree on C, B, num_groups, eps, the affine parameters or the dtype.
+            disagree on C, B, num_groups, eps, the affine parameters, the dtype or the
+            number of segments.
 
     Example::
         >>> y = group_norm(x, 4, gn.weight, gn.bias, gn.eps, mesh)  # x: (2, 8, T_r, 16, 16)
         >>> y.shape == x.shape
         True
     """
-    return _GroupNormFn.apply(x, weight, bias, num_groups, eps, _comm.resolve_group(group))
+    grp = _comm.resolve_group(group)
+    seg = None
+    if segments is not None:
+        if not 2 <= dim < x.ndim:
+            raise HaloError(f"group_norm with segments needs 2 <= dim < {x.ndim}, got {dim}")
+        seg = local_segments(segments, grp.rank, grp.size, dim, _device(x))
+    return _GroupNormFn.apply(x, weight, bias, num_groups, eps, grp, seg)

@@ -6,11 +6,13 @@ backward, odd and even T, uneven and empty shards; checked with `haloshard.verif
 tests/test_diffusers.py):
 
 - `AutoencoderKLHunyuanVideo`: encoder and decoder, block-causal mid-block attention;
-- `AutoencoderKLCogVideoX`: encoder and decoder forward (the VAE's `encode`/`decode` batch
-  frames with a conv cache beyond 15 frames / 3 latent frames: not the same computation);
+- `AutoencoderKLCogVideoX`: encoder and decoder; its `encode`/`decode` loop over frame
+  batches (GroupNorm statistics per batch), which `cogvideox_encode(vae, x)` and
+  `cogvideox_decode(vae, z)` compute exactly with T sharded;
 - `AutoencoderKLMochi`: encoder and decoder, causal attention along T per pixel;
-- `AutoencoderKLLTXVideo`: the 0.9.0 configuration (no residual upsamplers, no timestep
-  conditioning: those raise `HaloError`).
+- `AutoencoderKLLTXVideo`: the 0.9.0 configuration and residual upsamplers with any
+  `upsample_factor`; timestep conditioning (0.9.1+: per-sample tables on the decoder and
+  its resnets) raises `HaloError`.
 - `AutoencoderKLWan` (Wan 2.1): `wan_encoder_plan(vae)` with `wan_encode(vae, x)`, and
   `wan_decoder_plan(vae)` with `wan_decode(vae, z)` (`haloshard.integrations._wan`,
   re-exported here) give exactly `vae._encode`'s chunk loop (T = 1 + 4k) and `vae._decode`'s
@@ -53,6 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from haloshard import _segments
 from haloshard._attention import gather_along
 from haloshard._errors import HaloError, named
 from haloshard._hooks import (
@@ -72,6 +75,7 @@ from haloshard._layout import HaloShard, PadMode, shard_size_and_offset, shard_s
 from haloshard._masked_attention import frame_attention, lack
 from haloshard._norms import group_norm
 from haloshard._styles import HaloParallel
+from haloshard.integrations._cogvideox import cogvideox_decode, cogvideox_encode
 from haloshard.integrations._wan import (
     CachedUpStencil,
     cached_downsample,
@@ -84,6 +88,8 @@ from haloshard.integrations._wan import (
 
 __all__ = [
     "plan_for",
+    "cogvideox_encode",
+    "cogvideox_decode",
     "wan_encoder_plan",
     "wan_encode",
     "wan_decoder_plan",
@@ -339,7 +345,8 @@ class _SpatialNormForward(_Forward):
         z_local = z_all.index_select(self.dim, index)  # >= 1 frame: convs refuse empty input
         conv_y, conv_b = (conv(z_local)[0].narrow(self.dim, 0, n) for conv in (m.conv_y, m.conv_b))
         gn = m.norm_layer
-        norm_f = group_norm(site.local, gn.num_groups, gn.weight, gn.bias, gn.eps, group)
+        norm_f = group_norm(site.local, gn.num_groups, gn.weight, gn.bias, gn.eps, group,
+                            segments=_segments.at(site.length), dim=self.dim)
         out = norm_f * conv_y + conv_b
         stride = tuple(math.prod(f.shape[i + 1 :]) for i in range(f.ndim))
         y = DTensor.from_local(out, site.mesh, site.placements, run_check=False, shape=f.shape,
@@ -656,10 +663,6 @@ class LTXUpsamplerParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "LTXVideoUpsampler3d", "LTXUpsamplerParallel")
-        if module.residual or module.upscale_factor != 1:
-            raise HaloError(f"LTXUpsamplerParallel is verified for residual=False, "
-                            f"upscale_factor=1 (LTX-Video 0.9.0), got residual="
-                            f"{module.residual}, upscale_factor={module.upscale_factor}")
         conv = module.conv
         k, stride = conv.kernel_size[0], conv.conv.stride[0]
         if stride != 1 or conv.conv.dilation[0] != 1:
