@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from haloshard import HaloError, HaloShard
+from haloshard import HaloError, HaloShard, LocalParallel
 from haloshard._hooks import annotate, annotation_of, attach, resolve
 from haloshard._specs import ResampleStencil
 from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
@@ -493,3 +493,30 @@ def test_deepcopy_of_a_halo_model_runs_the_copy() -> None:
     halo_handles(clone)[""].remove()
     assert clone.padding == (1,) and "forward" not in vars(clone)
     assert handle.attached and conv.padding == (0,)  # the original keeps its halo
+
+
+@pytest.mark.simulated
+def test_output_layouts_simulated() -> None:
+    """ParallelStyle conventions: `output_layouts=Replicate()` gathers the output along T,
+    `use_local_output=True` returns the local chunk; `remove()` takes the hook away."""
+    with simulated_mesh(3) as mesh:
+        full = seeded_randn((1, 2, 7, 3), 1).double()
+        conv = _seeded(nn.Conv2d(2, 2, 3, padding=1), 2).double()
+        ref = module_reference(conv, full, 3)[0]
+        module = parallelize_module(copy.deepcopy(conv), mesh,
+                                    HaloParallel(output_layouts=Replicate()))
+        y = module(sharded(mesh, full)[0])
+        assert y.placements == (Replicate(),)
+        assert_close_per_rank(y.to_local(), lambda r: ref, mesh, **TOL)
+        local = parallelize_module(copy.deepcopy(conv), mesh,
+                                   HaloParallel(use_local_output=True))
+        y = local(sharded(mesh, full)[0])
+        assert not isinstance(y, DTensor)
+        assert_close_per_rank(y, lambda r: shard(ref, 2, 3, r), mesh, **TOL)
+        for handle in halo_handles(local).values():
+            handle.remove()
+        assert not local._forward_hooks
+        with pytest.raises(HaloError, match="input_layouts=Shard"):
+            HaloParallel(input_layouts=Replicate())
+        with pytest.raises(HaloError, match="output_layouts=Shard"):
+            LocalParallel(output_layouts=Shard(3))

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from haloshard import _comm, _segments
 from haloshard._conv import halo_conv
@@ -225,6 +226,7 @@ class HaloHandle:
     def __init__(self, module: nn.Module, saved: dict[str, Any], forward: Any) -> None:
         self._module: nn.Module | None = module
         self._saved, self._forward = saved, forward
+        self._hooks: list[RemovableHandle] = []
 
     @property
     def attached(self) -> bool:
@@ -241,7 +243,54 @@ class HaloHandle:
             del module.forward
         else:
             module.forward = self._forward
+        for hook in self._hooks:
+            hook.remove()
         delattr(module, _HANDLE)
+
+
+def output_layouts(module: nn.Module, dim: int, layout: Placement | None,
+                   use_local_output: bool) -> None:
+    """Give a styled module's DTensor output the `layout` on its sharded mesh axis
+    (`Replicate()` gathers it; None keeps `Shard(dim)`) and, with `use_local_output`, return
+    the local tensor, as torch's `ParallelStyle`s do; the module's handle removes the hook.
+    """
+    if layout is None and not use_local_output:
+        return
+
+    def convert(y: Any) -> Any:
+        if not isinstance(y, DTensor):
+            return y
+        if layout is not None:
+            axis = next(i for i, p in enumerate(y.placements) if p == Shard(dim))
+            placements = tuple(layout if i == axis else p for i, p in enumerate(y.placements))
+            if placements != tuple(y.placements):
+                y = y.redistribute(y.device_mesh, placements)
+        return y.to_local() if use_local_output else y
+
+    def hook(mod: nn.Module, args: Any, out: Any) -> Any:
+        if isinstance(out, tuple) and out:
+            return (convert(out[0]), *out[1:])
+        return convert(out)
+
+    handle = handle_of(module)
+    assert handle is not None, "output_layouts after the style is installed"
+    handle._hooks.append(module.register_forward_hook(hook))
+
+
+def check_layouts(style: str, dim: int, input_layouts: Placement | None,
+                  layout: Placement | None) -> None:
+    """The layouts a haloshard style takes: input `Shard(dim)`; output `Shard(dim)` or
+    `Replicate()`.
+
+    Raises:
+        HaloError: for any other.
+    """
+    if input_layouts is not None and input_layouts != Shard(dim):
+        raise HaloError(f"{style} takes input_layouts=Shard({dim}) (or None), got "
+                        f"{input_layouts!r}")
+    if layout is not None and layout not in (Shard(dim), Replicate()):
+        raise HaloError(f"{style} takes output_layouts=Shard({dim}), Replicate() or None, "
+                        f"got {layout!r}")
 
 
 def install(module: nn.Module, forward: Any) -> HaloHandle:

@@ -40,6 +40,7 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm, _segments
@@ -56,8 +57,10 @@ from haloshard._hooks import (
     _Site,
     _site,
     attach,
+    check_layouts,
     install,
     names_errors,
+    output_layouts,
     rewrap,
 )
 from haloshard._layout import HaloShard, PadMode, shard_sizes
@@ -202,6 +205,8 @@ class LocalParallel(ParallelStyle):
 
     Args:
         dim: the sharded dim of the module's input.
+        input_layouts, output_layouts, use_local_output: as for `HaloParallel` (input
+            `Shard(dim)`; output `Shard(dim)` or `Replicate()`; the local tensor out).
 
     Raises:
         HaloError: in `_apply` for dim < 2 or a module that already has a style; at run
@@ -215,9 +220,13 @@ class LocalParallel(ParallelStyle):
 
     forward_type: type[_LocalForward] = _LocalForward
 
-    def __init__(self, *, dim: int = 2) -> None:
+    def __init__(self, *, dim: int = 2, input_layouts: Placement | None = None,
+                 output_layouts: Placement | None = None, use_local_output: bool = False
+                 ) -> None:
         super().__init__()
         self.dim = dim
+        check_layouts(type(self).__name__, dim, input_layouts, output_layouts)
+        self.output_layouts, self.use_local_output = output_layouts, use_local_output
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(dim={self.dim})"
@@ -238,6 +247,7 @@ class LocalParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module)
         _install(module, self.forward_type(module, self.dim, device_mesh))
+        output_layouts(module, self.dim, self.output_layouts, self.use_local_output)
         return module
 
 

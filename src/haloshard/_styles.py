@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement
 
 from haloshard import _comm
 from haloshard._errors import HaloError
@@ -23,8 +24,10 @@ from haloshard._hooks import (
     LocalRun,
     annotation_of,
     attach,
+    check_layouts,
     handle_of,
     names_errors,
+    output_layouts,
     resolve,
 )
 from haloshard._layout import HaloShard
@@ -61,6 +64,11 @@ class HaloParallel(ParallelStyle):
         local: how the module runs on its window, `local(forward, window, *args,
             **kwargs) -> output`, for a module whose rule along the dim lives in a protocol
             of its own (a feature cache, say); None calls `forward(window, ...)`.
+        input_layouts: how a plain-tensor input is laid out: `Shard(dim)` (the default;
+            nothing else is taken), as in torch's `ParallelStyle`s.
+        output_layouts: the output's placement on the sharded mesh axis: `Shard(dim)` (the
+            default) or `Replicate()` (gathered along dim).
+        use_local_output: return the local tensor of a DTensor output.
 
     A module may return a tuple whose first element is its output (`(output, cache)`): that
     element is sharded and the others come back as None, since a window's cache is not the
@@ -79,7 +87,10 @@ class HaloParallel(ParallelStyle):
     """
 
     def __init__(self, spec: HaloShard | Stencil | None = None, *, dim: int | None = None,
-                 overlap: bool | None = None, local: LocalRun | None = None) -> None:
+                 overlap: bool | None = None, local: LocalRun | None = None,
+                 input_layouts: Placement | None = None,
+                 output_layouts: Placement | None = None,
+                 use_local_output: bool = False) -> None:
         super().__init__()
         if spec is not None and not isinstance(spec, HaloShard) and not is_stencil(spec):
             raise HaloError(f"spec must be a HaloShard, a stencil or None, got "
@@ -89,6 +100,8 @@ class HaloParallel(ParallelStyle):
                             "the same dim (or no dim: the spec states it)")
         self.spec, self.overlap, self.local = spec, overlap, local
         self.dim = spec.dim if isinstance(spec, HaloShard) else 2 if dim is None else dim
+        check_layouts("HaloParallel", self.dim, input_layouts, output_layouts)
+        self.output_layouts, self.use_local_output = output_layouts, use_local_output
 
     def __repr__(self) -> str:
         extra = "" if self.overlap is None else f", overlap={self.overlap}"
@@ -99,6 +112,7 @@ class HaloParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         attach(module, resolve(module, self.spec, dim=self.dim), device_mesh,
                overlap=self.overlap, local=self.local)
+        output_layouts(module, self.dim, self.output_layouts, self.use_local_output)
         return module
 
 
