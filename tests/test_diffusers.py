@@ -107,6 +107,20 @@ def ltx_residual(dtype: torch.dtype = torch.float64) -> nn.Module:
         return vae.to(dtype).eval()
 
 
+def ltx_timestep(dtype: torch.dtype = torch.float64) -> nn.Module:
+    from diffusers import AutoencoderKLLTXVideo
+
+    with single_device():  # 0.9.1+: the decoder conditioned on the decode timestep
+        torch.manual_seed(0)
+        vae = AutoencoderKLLTXVideo(
+            latent_channels=4, block_out_channels=(8,) * 4, layers_per_block=(1,) * 5,
+            decoder_block_out_channels=(8, 16, 32), decoder_layers_per_block=(1,) * 4,
+            decoder_spatio_temporal_scaling=(True,) * 3, decoder_inject_noise=(False,) * 4,
+            upsample_residual=(True,) * 3, upsample_factor=(2,) * 3,
+            timestep_conditioning=True)
+        return vae.to(dtype).eval()
+
+
 # model: (factory, encoder input shape, decoder input shape); T = 9 frames, 3 latent frames
 MODELS: dict[str, tuple[Callable[..., nn.Module], tuple[int, ...], tuple[int, ...]]] = {
     "hunyuan": (hunyuan, (1, 3, 9, 8, 8), (1, 4, 3, 2, 2)),
@@ -200,6 +214,42 @@ def test_cogvideox_loop_simulated(part: str, length: int, world: int) -> None:
         case_cogvideox_loop(mesh, part, length)
 
 
+# The timestep reaches every resnet, through diffusers' float32 RMSNorm statistics (~10)
+# and its float32 sinusoidal timestep projection, each rounded in another order on each
+# side: measured 1.2e-4 at worst on a weight gradient's small element, 1.6e-5 relative on
+# the scalar `timestep_scale_multiplier`. With RMSNorm computing in float64 the same runs
+# agree to 3e-14 (1e-6 on that scalar, whose gradient crosses the float32 projection). A
+# misplaced frame or a per-rank gradient counted twice is O(1) relative.
+TIMESTEP_TOL = {"atol": 1e-3, "rtol": 1e-3}
+
+
+def case_ltx_timestep(mesh: Any) -> None:
+    """LTX-Video's timestep-conditioned decoder (`ReplicatedArgsParallel` on the decoder
+    and its resnets) against one device, with the decode timestep as a plain tensor."""
+    world = mesh.size()
+    dec = ltx_timestep().decoder
+    temb = torch.tensor([0.05], dtype=torch.float64)
+    with single_device():
+        full = seeded_randn((1, 4, 3, 1, 1), 1)
+        twin = copy.deepcopy(dec)
+        x_ref = full.clone().requires_grad_()
+        y_ref = twin(x_ref, temb)
+        gy = seeded_randn(tuple(y_ref.shape), 2)
+        (y_ref * gy).sum().backward()
+    parallelize_module(dec, mesh, plan_for(dec))
+    x, local = sharded(mesh, full)
+    y = dec(x, temb)
+    assert_close_per_rank(y.to_local(), lambda r: shard(y_ref.detach(), 2, world, r), mesh,
+                          **TIMESTEP_TOL)
+    (y.to_local() * rank_map(mesh, lambda r: shard(gy, 2, world, r))).sum().backward()
+    assert_close_per_rank(local.grad, lambda r: shard(x_ref.grad, 2, world, r), mesh,
+                          **TIMESTEP_TOL)
+    reduce_grads(dec, mesh)
+    for p, q in zip(dec.parameters(), twin.parameters(), strict=True):
+        if q.grad is not None:
+            assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **TIMESTEP_TOL)
+
+
 @pytest.mark.simulated
 def test_float32_simulated() -> None:
     with simulated_mesh(3) as mesh:
@@ -244,12 +294,22 @@ def test_plan_errors() -> None:
                            temperal_downsample=[True])
     with pytest.raises(HaloError, match="use wan_encoder_plan"):
         plan_for(wan)
+    from diffusers import AutoencoderKLLTXVideo
+
+    noisy = AutoencoderKLLTXVideo(
+        latent_channels=4, block_out_channels=(8,) * 4, layers_per_block=(1,) * 5,
+        decoder_block_out_channels=(8,) * 4, decoder_layers_per_block=(1,) * 5,
+        decoder_inject_noise=(True,) * 5, timestep_conditioning=True)
+    with pytest.raises(HaloError, match="injects noise drawn per call"):
+        plan_for(noisy.decoder)
 
 
 def on_gloo(part: str) -> None:
     mesh = worker_mesh(dist.get_world_size())
     check("hunyuan", part, mesh)
     case_cogvideox_loop(mesh, part, 17 if part == "encoder" else 5)
+    if part == "decoder":
+        case_ltx_timestep(mesh)
 
 
 @pytest.mark.gloo

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from haloshard import HaloError, HaloShard, LocalParallel
+from haloshard import HaloError, HaloShard, LocalParallel, ReplicatedArgsParallel
 from haloshard._hooks import annotate, annotation_of, attach, resolve
 from haloshard._specs import ResampleStencil
 from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
@@ -41,6 +41,7 @@ from haloshard.testing import (
     sharded,
     simulated_mesh,
     single_device,
+    sum_over_ranks,
     unhooked,
     worker_mesh,
 )
@@ -384,7 +385,8 @@ def test_gloo(gloo: Callable[[int], Any], world: int) -> None:
     length = {2: 7, 3: 8, 4: 5}[world]
     cases: list[tuple[Any, ...]] = [("case_layer", name, length, 21) for name in sorted(LAYERS)]
     cases += [("case_model", length, 22), ("case_remove_reapply", 23),
-              ("case_plain_input", length, 24), ("case_runtime_errors", 25)]
+              ("case_plain_input", length, 24), ("case_runtime_errors", 25),
+              ("case_replicated_args", length)]
     gloo(world).run(run_cases, cases)
 
 
@@ -520,3 +522,54 @@ def test_output_layouts_simulated() -> None:
             HaloParallel(input_layouts=Replicate())
         with pytest.raises(HaloError, match="output_layouts=Shard"):
             LocalParallel(output_layouts=Shard(3))
+
+
+class Modulated(nn.Module):
+    """A block whose own forward meets its frames with per-sample tensors: a timestep
+    embedding and a learned scale/shift table (LTX-Video's timestep conditioning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+        self.table = nn.Parameter(torch.randn(2, 2, 1, 1, 1))
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        shift, scale = (temb.view(-1, 1, 1, 1, 1) * self.table).unbind(0)
+        return self.conv(x) * (1 + scale) + shift
+
+
+def case_replicated_args(mesh: DeviceMesh, length: int) -> None:
+    """`ReplicatedArgsParallel` against one device: output, input gradient, the gradients
+    of the table and of the plain embedding (per-rank partial sums, summed here)."""
+    world = mesh.size()
+    module = _seeded(Modulated(), 3).double()
+    with single_device():
+        full = seeded_randn((1, 2, length, 3, 3), 4).double()
+        twin = copy.deepcopy(module)
+        x_ref, t_ref = full.clone().requires_grad_(), torch.tensor([0.7, -0.3]).double()
+        t_ref.requires_grad_()
+        y_ref = twin(x_ref, t_ref)
+        gy = seeded_randn(tuple(y_ref.shape), 5).double()
+        (y_ref * gy).sum().backward()
+    plan = {"": ReplicatedArgsParallel(), "conv": HaloParallel()}
+    parallelize_module(module, mesh, plan)
+    x, local = sharded(mesh, full)
+    temb = torch.tensor([0.7, -0.3]).double().requires_grad_()
+    y = module(x, temb)
+    assert isinstance(y, DTensor) and y.placements == (Shard(2),)
+    assert_close_per_rank(y.to_local(), lambda r: shard(y_ref.detach(), 2, world, r), mesh,
+                          **TOL)
+    (y.to_local() * rank_map(mesh, lambda r: shard(gy, 2, world, r))).sum().backward()
+    assert_close_per_rank(local.grad, lambda r: shard(x_ref.grad, 2, world, r), mesh, **TOL)
+    reduce_grads(module, mesh)
+    for p, q in zip(module.parameters(), twin.parameters(), strict=True):
+        assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **TOL)
+    torch.testing.assert_close(sum_over_ranks(temb.grad, mesh), t_ref.grad, **TOL)
+
+
+@pytest.mark.simulated
+def test_replicated_args_simulated() -> None:
+    # equal chunks: under simulated ranks DTensor's own dispatch (the mixed ops run there)
+    # hashes per-rank strides; the gloo runs take uneven and empty chunks
+    with simulated_mesh(3) as mesh:
+        case_replicated_args(mesh, 6)

@@ -19,6 +19,7 @@ from haloshard._layer_styles import (
     FirstFrameStencil,
     GroupNormParallel,
     LocalParallel,
+    ReplicatedArgsParallel,
 )
 from haloshard._layout import PAD_MODES, HaloShard, shard_size_and_offset, shard_sizes
 from haloshard._masked_attention import frame_attention
@@ -60,6 +61,7 @@ __all__ = [
     "CausalConvParallel",
     "FirstFrameParallel",
     "FirstFrameStencil",
+    "ReplicatedArgsParallel",
     # layers that need more than a halo
     "group_norm",
     "attention",

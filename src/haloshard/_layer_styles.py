@@ -36,12 +36,17 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run_for_local_tensor
+from torch.distributed._local_tensor import (
+    LocalTensor,
+    enabled_local_tensor_mode,
+    maybe_run_for_local_tensor,
+)
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from haloshard import _comm, _segments
 from haloshard._attention import gather_many
@@ -657,3 +662,102 @@ class FirstFrameParallel(ParallelStyle):
         attach(module, Annotation(None, self.dim, self.stencil), device_mesh,
                local=self.local)
         return module
+
+
+# ---------------------------------------------------------------- per-sample tensors
+class _AsReplicate(torch.autograd.Function):
+    """A plain tensor taken as `Replicate` on a mesh, for an op with `Shard(T)` DTensors.
+
+    Forward: `t -> DTensor(t, [Replicate()])`. Backward: the gradient's local value is this
+    rank's partial sum (a `Partial` gradient: the op summed over this rank's frames), as
+    haloshard's parameter gradients are; a `Replicate` gradient counts once, on rank 0.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, mesh: DeviceMesh) -> DTensor:  # type: ignore[override]
+        ctx.mesh = mesh
+        return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:  # type: ignore[override]
+        if not isinstance(grad, DTensor):
+            return grad, None
+        local = _diagonal(grad.to_local())
+        if any(p.is_partial() for p in grad.placements):
+            return local, None
+        first = all(ctx.mesh.get_local_rank(a) == 0 for a in range(ctx.mesh.ndim))
+        return _on_first(local, first), None
+
+
+def _diagonal(t: torch.Tensor) -> torch.Tensor:
+    """Under simulated ranks DTensor's backward may nest per-rank values (a LocalTensor of
+    LocalTensors); rank r's value is then its own rank's entry."""
+    if not isinstance(t, LocalTensor) or not any(
+            isinstance(v, LocalTensor) for v in t._local_tensors.values()):
+        return t
+    return LocalTensor({r: v._local_tensors[r] if isinstance(v, LocalTensor) else v
+                        for r, v in t._local_tensors.items()})
+
+
+@maybe_run_for_local_tensor
+def _on_first(t: torch.Tensor, first: bool) -> torch.Tensor:
+    return t if first else torch.zeros_like(t)
+
+
+class _Replicating(TorchFunctionMode):
+    """Plain tensors that meet a DTensor in one op are taken as replicated (`_AsReplicate`)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        flat, spec = tree_flatten((args, kwargs))
+        mesh = next((t.device_mesh for t in flat if isinstance(t, DTensor)), None)
+        if mesh is not None and any(_plain(t) for t in flat):
+            flat = [_AsReplicate.apply(t, mesh) if _plain(t) else t for t in flat]
+            args, kwargs = tree_unflatten(flat, spec)
+        return func(*args, **kwargs)
+
+
+def _plain(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+
+
+class _ReplicatedArgsForward(_LocalForward):
+    style = "ReplicatedArgsParallel"
+
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(x, DTensor):
+            return self.original(x, *args, **kwargs)  # plain chunks: nothing is mixed
+        site = _dtensor_site(x, self.dim)
+        if any(not isinstance(p, Replicate) for a, p in enumerate(x.placements)
+               if a != site.axis):
+            raise HaloError(f"ReplicatedArgsParallel takes tensors as replicated, so its "
+                            f"input must be Replicate beside Shard({self.dim}), got "
+                            f"{tuple(x.placements)}")
+        with _Replicating():
+            return self.original(x, *args, **kwargs)
+
+
+class ReplicatedArgsParallel(LocalParallel):
+    """Run a container's own forward on its `Shard(dim)` DTensor activations where plain
+    tensors without the sharded dim meet them: a timestep embedding, per-sample scale and
+    shift tables (LTX-Video's timestep-conditioned decoder and resnets).
+
+    Those plain tensors are taken as `Replicate` on the input's mesh for the ops that mix
+    them with DTensors, as torch's `implicit_replication` does, but differentiably in
+    haloshard's convention: their gradients (and the parameters' they come from) are this
+    rank's partial sums, summed over the cp ranks by `reduce_grads`, DDP or FSDP. The
+    container's children keep their own plan entries.
+
+    Raises:
+        HaloError: at run time for a DTensor input sharded or partial on another mesh axis
+            (a replicated per-sample tensor would not match a batch shard).
+
+    Example::
+        >>> plan = {**plan_for(vae.decoder), "": ReplicatedArgsParallel()}
+        >>> parallelize_module(vae.decoder, mesh, plan)
+        >>> vae.decoder(z, temb).placements  # z: Shard(2), temb: a plain (B,) tensor
+        (Shard(dim=2),)
+    """
+
+    forward_type = _ReplicatedArgsForward

@@ -10,9 +10,9 @@ tests/test_diffusers.py):
   batches (GroupNorm statistics per batch), which `cogvideox_encode(vae, x)` and
   `cogvideox_decode(vae, z)` compute exactly with T sharded;
 - `AutoencoderKLMochi`: encoder and decoder, causal attention along T per pixel;
-- `AutoencoderKLLTXVideo`: the 0.9.0 configuration and residual upsamplers with any
-  `upsample_factor`; timestep conditioning (0.9.1+: per-sample tables on the decoder and
-  its resnets) raises `HaloError`.
+- `AutoencoderKLLTXVideo`: the 0.9.0 configuration, residual upsamplers with any
+  `upsample_factor`, and timestep conditioning (0.9.1+: per-sample tables on the decoder
+  and its resnets, `ReplicatedArgsParallel`); noise injection raises `HaloError`.
 - `AutoencoderKLWan` (Wan 2.1): `wan_encoder_plan(vae)` with `wan_encode(vae, x)`, and
   `wan_decoder_plan(vae)` with `wan_decode(vae, z)` (`haloshard.integrations._wan`,
   re-exported here) give exactly `vae._encode`'s chunk loop (T = 1 + 4k) and `vae._decode`'s
@@ -70,6 +70,7 @@ from haloshard._layer_styles import (
     FirstFrameParallel,
     GroupNormParallel,
     LocalParallel,
+    ReplicatedArgsParallel,
 )
 from haloshard._layout import HaloShard, PadMode, shard_size_and_offset, shard_sizes
 from haloshard._masked_attention import frame_attention, lack
@@ -739,11 +740,23 @@ _MOCHI: dict[str, _Rule] = {
     "Conv3d": (lambda m: _pointwise(m), True),  # the decoder's 1x1 conv_in
 }
 
+def _timestep_conditioned(module: nn.Module, name: str) -> ParallelStyle | None:
+    if getattr(module, "per_channel_scale1", None) is not None:
+        raise HaloError(f"{type(module).__name__} injects noise drawn per call (its own "
+                        "generator): no sharded run reproduces one device's draw")
+    return ReplicatedArgsParallel() if getattr(module, name, None) is not None else None
+
+
 _LTX: dict[str, _Rule] = {
     "LTXVideoCausalConv3d": (_ltx_causal_conv, True),
     "LTXVideoUpsampler3d": (lambda m: LTXUpsamplerParallel(), True),
     "RMSNorm": (lambda m: LocalParallel(dim=1), True),  # channels-last, per token
     "LayerNorm": (lambda m: LocalParallel(dim=1), True),
+    # timestep conditioning (0.9.1+): per-sample scale and shift tables meet the frames in
+    # the decoder's and resnets' own forwards; the timestep MLP has no T
+    "LTXVideoDecoder3d": (lambda m: _timestep_conditioned(m, "time_embedder"), False),
+    "LTXVideoResnetBlock3d": (lambda m: _timestep_conditioned(m, "scale_shift_table"), False),
+    "PixArtAlphaCombinedTimestepSizeEmbeddings": (lambda m: None, True),
 }
 
 _PLANS: dict[str, dict[str, _Rule]] = {
