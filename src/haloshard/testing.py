@@ -400,6 +400,49 @@ def check_module(
         assert_close_per_rank(p.grad, lambda r, g=g: g, mesh, **tol)
 
 
+def check_plan(
+    mesh: DeviceMesh, model: torch.nn.Module, plan: Any, full: torch.Tensor, seed: int, *,
+    run: Callable[[Any, Any], Any] | None = None,
+    reference: Callable[[Any, Any], Any] | None = None, atol: float = 1e-12,
+    rtol: float = 1e-10,
+) -> None:
+    """`model` parallelized with `plan` (in place), `run(model, x)` on the `Shard(2)` input,
+    against `reference(twin, x)` on one device (both default to calling the model): the
+    output, the input gradient and every parameter gradient (summed over ranks by
+    `reduce_grads`), for an upstream gradient drawn with `seed`.
+
+    Example::
+        >>> check_plan(mesh, vae, wan_decoder_plan(vae), z, 1, run=wan_decode,
+        ...            reference=lambda m, z: m._decode(z).sample)
+    """
+    import copy
+
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from haloshard._styles import reduce_grads
+
+    world, tol = mesh.size(), {"atol": atol, "rtol": rtol}
+    with single_device():
+        twin = copy.deepcopy(model)
+        x_ref = full.clone().requires_grad_()
+        y_ref = (reference or (lambda m, t: m(t)))(twin, x_ref)
+        gy = seeded_randn(tuple(y_ref.shape), seed, full.dtype)
+        (y_ref * gy).sum().backward()
+    parallelize_module(model, mesh, plan)
+    x, local = sharded(mesh, full)
+    y = (run or (lambda m, t: m(t)))(model, x)
+    assert y.shape == y_ref.shape, (y.shape, y_ref.shape)
+    assert_close_per_rank(y.to_local(), lambda r: shard(y_ref.detach(), 2, world, r), mesh,
+                          **tol)
+    (y.to_local() * rank_map(mesh, lambda r: shard(gy, 2, world, r))).sum().backward()
+    assert_close_per_rank(local.grad, lambda r: shard(x_ref.grad, 2, world, r), mesh, **tol)
+    reduce_grads(model, mesh)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **tol)
+
+
 class CausalConv3d(torch.nn.Module):
     """A causal video-VAE conv, as models write it: replicate-pads T by k - 1 itself, then a
     conv with no T padding. Annotate it with `HaloShard(2, left=k - 1, pad="replicate")`."""

@@ -42,23 +42,12 @@ from haloshard._layout import HaloShard, PadMode
 from haloshard._styles import HaloParallel
 
 
-def cached_downsample(forward: Any, window: torch.Tensor) -> torch.Tensor:
-    """Run a `WanResample("downsample3d")` on a window as `_encode`'s chunk loop would: its
-    first frame alone with an empty cache (kept as is), then the rest with that frame cached
-    (a stride-2 conv over the cached frame and the rest)."""
-    cache: list[Any] = [None]
-    first = forward(window.narrow(2, 0, 1), feat_cache=cache, feat_idx=[0])
-    rest = window.shape[2] - 1
-    if rest == 0:
-        return first
-    return torch.cat([first, forward(window.narrow(2, 1, rest), feat_cache=cache,
-                                     feat_idx=[0])], dim=2)
-
-
-def cached_upsample(forward: Any, window: torch.Tensor) -> torch.Tensor:
-    """Run a `WanResample("upsample3d")` on a window as `_decode`'s loop would: its first
-    frame alone with an empty cache (upsampled spatially only, the cache marked "Rep"), then
-    the rest, whose causal `time_conv` gets zero history."""
+def cached_resample(forward: Any, window: torch.Tensor) -> torch.Tensor:
+    """Run a `WanResample` on a window as the chunk loops would: its first frame alone with
+    an empty cache, then the rest with that cache. Down (`_encode`): the first frame is
+    kept as is and cached, the rest go through a stride-2 conv over the cached frame and
+    them. Up (`_decode`): the first frame is upsampled spatially only (the cache marked
+    "Rep"), the rest through a causal `time_conv` with zero history."""
     cache: list[Any] = [None]
     first = forward(window.narrow(2, 0, 1), feat_cache=cache, feat_idx=[0])
     rest = window.shape[2] - 1
@@ -180,10 +169,10 @@ def _plan(part: nn.Module, prefix: str) -> dict[str, ParallelStyle]:
 
 def _resample_style(module: nn.Module) -> ParallelStyle:
     if module.mode == "downsample3d":
-        return FirstFrameParallel(2, "down", even="first", local=cached_downsample)
+        return FirstFrameParallel(2, "down", even="first", local=cached_resample)
     if module.mode == "upsample3d":
         span = module.time_conv.kernel_size[0]
-        return HaloParallel(CachedUpStencil(2, span), local=cached_upsample)
+        return HaloParallel(CachedUpStencil(2, span), local=cached_resample)
     return LocalParallel()
 
 

@@ -79,8 +79,7 @@ from haloshard._styles import HaloParallel
 from haloshard.integrations._cogvideox import cogvideox_decode, cogvideox_encode
 from haloshard.integrations._wan import (
     CachedUpStencil,
-    cached_downsample,
-    cached_upsample,
+    cached_resample,
     wan_decode,
     wan_decoder_plan,
     wan_encode,
@@ -95,8 +94,7 @@ __all__ = [
     "wan_encode",
     "wan_decoder_plan",
     "wan_decode",
-    "cached_downsample",
-    "cached_upsample",
+    "cached_resample",
     "CachedUpStencil",
     "HunyuanMidBlockParallel",
     "HunyuanUpsampleParallel",
