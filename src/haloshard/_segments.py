@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +25,14 @@ from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from haloshard._errors import HaloError
 from haloshard._layout import shard_size_and_offset
 
-# global length -> the batch lengths at that length, while frame_batches is active
-_ACTIVE: ContextVar[dict[int, tuple[int, ...]] | None] = ContextVar("frame_batches",
-                                                                    default=None)
+# global length -> the batch lengths at that length, while frame_batches is active: a
+# plain stack (not a ContextVar), which torch.compile traces (fullgraph) where every layer
+# reads it
+_STACK: list[dict[int, tuple[int, ...]]] = []
+
+
+def _active() -> dict[int, tuple[int, ...]] | None:
+    return _STACK[-1] if _STACK else None
 
 
 @contextmanager
@@ -52,18 +56,18 @@ def frame_batches(lengths: Sequence[int]) -> Iterator[None]:
     lengths = tuple(int(n) for n in lengths)
     if not lengths or min(lengths) < 1:
         raise HaloError(f"frame_batches needs positive batch lengths, got {lengths}")
-    token = _ACTIVE.set({sum(lengths): lengths})
+    _STACK.append({sum(lengths): lengths})
     try:
         yield
     finally:
-        _ACTIVE.reset(token)
+        _STACK.pop()
 
 
 def follow(length: int, out_length: int, stencil: Any) -> None:
     """Record the batches of a layer's output: each input batch mapped alone. A layer that
     maps the batches to another total than its output (one call differs from the loop)
     raises."""
-    active = _ACTIVE.get()
+    active = _active()
     if active is None or out_length == length or length not in active:
         return
     at_length = getattr(stencil, "at_length", None)
@@ -82,7 +86,7 @@ def at(length: int) -> tuple[int, ...] | None:
     Raises:
         HaloError: inside `frame_batches`, at a length no layer mapped the batches to.
     """
-    active = _ACTIVE.get()
+    active = _active()
     if active is None:
         return None
     if length not in active:
