@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 from einops import rearrange
-from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run_for_local_tensor
 
 from haloshard import _comm
 from haloshard._comm import Group, GroupLike
+from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError, raise_rejected
 from haloshard._layout import LENIENT_PADS, PAD_MODES, check_pad_fits, shard_sizes
 from haloshard._plan import HaloFill, exchange_plan, halo_fill

@@ -26,12 +26,12 @@ from itertools import accumulate
 from typing import Any
 
 import torch
-from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from haloshard import _comm
 from haloshard._comm import Group
+from haloshard._compat import local_tensor, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
 from haloshard._exchange import halo_exchange
 from haloshard._layout import HaloShard, check_pad_fits, shard_sizes
@@ -159,7 +159,7 @@ def check_local(dt: DTensor) -> None:
         return
     p = dt.placements[axis]
     assert isinstance(p, HaloShard)
-    local, mesh = dt._local_tensor, dt.device_mesh
+    local, mesh = local_tensor(dt), dt.device_mesh
     if p.dim >= local.ndim:
         raise HaloError(f"{p!r} shards dim {p.dim} of a {local.ndim}-D local tensor")
     size, length = mesh.size(axis), dt.shape[p.dim]
