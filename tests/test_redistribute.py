@@ -11,6 +11,7 @@ terms per output, 1e-10 absolute and relative bounds that with a wide margin.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -33,7 +34,8 @@ from torch.distributed.tensor import (
 
 from haloshard._dtensor_ops import install
 from haloshard._errors import HaloError
-from haloshard._layout import PAD_MODES, HaloShard
+from haloshard._layout import PAD_MODES, HaloShard, shard_sizes
+from haloshard._plan import exchange_plan
 from haloshard._redistribute import redistribute, unwrap
 from haloshard.testing import (
     reference_halo,
@@ -453,14 +455,140 @@ def test_import_installs_and_starts_nothing() -> None:
 def test_widening_fetches_only_the_difference() -> None:
     """H(1, 0) -> H(3, 1) on chunks of 5: each rank receives the 2 + 1 new slices, no more
     (the edge ranks' missing sides are zero padding: nothing to receive)."""
-    from haloshard._redistribute import _rehalo_plan
-
     lengths = (5, 5, 5, 5)
-    received = [sum(_rehalo_plan(r, lengths, H(2, 1, 0), H(2, 3, 1))[2]) for r in range(4)]
-    sent = [sum(_rehalo_plan(r, lengths, H(2, 1, 0), H(2, 3, 1))[3]) for r in range(4)]
-    assert received == [1, 3, 3, 2] and sum(sent) == sum(received)
+    plans = [exchange_plan(r, lengths, 2, 1, "zeros", held=(1, 0)) for r in range(4)]
+    received = [sum(p.recv_splits) for p in plans]
+    assert received == [1, 3, 3, 2] and sum(sum(p.send_splits) for p in plans) == sum(received)
     # replicate padding repeats the edge slice: a rank that holds it receives nothing more
-    assert sum(_rehalo_plan(0, lengths, H(2, 1, 0, "replicate"), H(2, 3, 0, "replicate"))[2]) == 0
+    assert sum(exchange_plan(0, lengths, 2, 0, "replicate", held=(1, 0)).recv_splits) == 0
+
+
+# --- HaloShard -> HaloShard: the exchange plan of the slices no rank holds, any transport ---
+
+TRANSPORT_CALLS = {"all_to_all": {"start_all_to_all"}, "p2p": {"start_p2p"},
+                   "allgather": {"all_gather", "reduce_scatter"}}
+
+
+def rehalo_cases() -> list[tuple[object, ...]]:
+    """(shape, base, src, dst) on 4 ranks, T = 5 split (2, 2, 1, 0) (uneven, one empty):
+    every pad mode; halos wider than a chunk (multi-hop); one side narrowed while the other
+    widens; a rank with no halo yet; an empty global tensor; and (circular, T = 4) a new
+    halo served entirely by slices a rank holds in its old one."""
+    shape, out = (2, 3, 5), []
+    for pad in PAD_MODES:
+        out += [
+            (shape, (Shard(2),), (H(2, 1, 0, pad),), (H(2, 3, 2, pad),)),   # both, multi-hop
+            (shape, (Shard(2),), (H(2, 3, 0, pad),), (H(2, 1, 2, pad),)),   # narrow l, widen r
+            (shape, (Shard(2),), (H(2, 0, 2, pad),), (H(2, 2, 1, pad),)),   # widen l, narrow r
+            (shape, (Replicate(),), (H(2, 0, 0, pad),), (H(2, 2, 3, pad),)),  # from no halo
+        ]
+    out.append(((2, 3, 0), (Shard(2),), (H(2, 1, 0),), (H(2, 2, 1),)))      # empty tensor
+    out.append(((2, 3, 4), (Shard(2),), (H(2, 0, 3, "circular"),),
+                (H(2, 3, 3, "circular"),)))                                 # held serves
+    return out
+
+
+def _missing_slices(shape: Sequence[int], src: HaloShard, dst: HaloShard, world: int
+                    ) -> list[int]:
+    """Per rank, the distinct slices `dst` needs that `src` does not hold: the layout's
+    lower bound on what a re-halo must receive (arithmetic, independent of the planner)."""
+    t = shape[src.dim]
+    return [len({g for g in dst.local_sources(t, world, r) if g is not None}
+                - set(src.local_sources(t, world, r))) for r in range(world)]
+
+
+def _spy(calls: list[tuple[str, int]]) -> Callable[[], None]:
+    """Record haloshard's transport calls as (name, bytes sent) in `calls` (simulated
+    ranks: summed over the ranks); returns the function that removes the spies."""
+    from haloshard import _comm
+    from haloshard.testing import per_rank
+
+    saved = {name: getattr(_comm, name) for names in TRANSPORT_CALLS.values() for name in names}
+
+    def spied(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def run(buf: torch.Tensor, *args: object, **kwargs: object) -> object:
+            sent = sum(t.numel() * t.element_size() for t in per_rank(buf).values())
+            calls.append((name, sent))
+            return fn(buf, *args, **kwargs)
+        return run
+
+    for name, fn in saved.items():
+        setattr(_comm, name, spied(name, fn))
+    return lambda: [setattr(_comm, name, fn) for name, fn in saved.items()] and None
+
+
+def case_rehalo(mesh: DeviceMesh, shape: tuple[int, ...], base: tuple[Placement, ...],
+                src: tuple[Placement, ...], dst: tuple[Placement, ...], seed: int,
+                transport: str | None) -> None:
+    """`case_redistribute` with every transport call recorded: only `transport`'s own
+    calls are made, and with all_to_all / p2p the re-halo's forward sends exactly the
+    missing slices (no more bytes than the layout requires)."""
+    calls: list[tuple[str, int]] = []
+    with single_device():
+        full = _data(shape, seed)
+    mid = redistribute(distribute_tensor(full, mesh, base), src, transport=transport)
+    remove = _spy(calls)
+    try:
+        redistribute(mid, dst, transport=transport)
+    finally:
+        remove()
+    missing = _missing_slices(shape, src[0], dst[0], mesh.size())  # type: ignore[arg-type]
+    expected = TRANSPORT_CALLS[transport or "all_to_all"]
+    names = {name for name, _ in calls}
+    assert names <= expected and (not any(missing) or expected - {"reduce_scatter"} <= names), (
+        calls)
+    if transport in (None, "all_to_all", "p2p"):
+        slice_bytes = full.numel() // max(shape[2], 1) * full.element_size()
+        sent = torch.tensor(sum(sent for _, sent in calls))
+        if dist.get_backend() != "fake":  # real processes: each counted its own sends
+            dist.all_reduce(sent)
+        assert int(sent) == sum(missing) * slice_bytes, (calls, missing)
+    case_redistribute(mesh, shape, base, src, dst, seed, transport)
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize("transport", [None, "allgather"])
+def test_rehalo_simulated(transport: str | None) -> None:
+    """Forward exact, gradients vs one device, transport honoured, no extra bytes."""
+    with simulated_mesh(4) as mesh:
+        for i, case in enumerate(rehalo_cases()):
+            case_rehalo(mesh, *case, seed=20 + i, transport=transport)
+
+
+@pytest.mark.simulated
+def test_rehalo_transport_checked() -> None:
+    """p2p needs real processes (simulated ranks refuse it, as halo_exchange does), and an
+    unknown transport is named: the re-halo no longer ignores `transport`."""
+    with simulated_mesh(2) as mesh:
+        x = redistribute(distribute_tensor(_data((2, 3, 6), 1), mesh, [Shard(2)]), [H(2, 1)])
+        with pytest.raises(HaloError, match="transport='p2p' needs real processes"):
+            redistribute(x, [H(2, 2, 1)], transport="p2p")
+        with pytest.raises(HaloError, match=r"transport must be one of .* got 'nccl'"):
+            redistribute(x, [H(2, 2, 1)], transport="nccl")
+
+
+@pytest.mark.gloo
+def test_gloo_rehalo(gloo) -> None:
+    """The re-halo on 4 processes with every transport (p2p included)."""
+    every = rehalo_cases()
+    cases = [("case_rehalo", *case, 30 + i, transport)
+             for transport in ("all_to_all", "p2p", "allgather")
+             for i, case in enumerate(every) if transport == "p2p" or i % 3 == 0]
+    gloo(4).run(on_gloo, cases)
+
+
+def test_rehalo_plan_receives_only_missing_slices() -> None:
+    """Arithmetic, every world, length, width and pad: each rank receives exactly the
+    slices the new layout needs and the old one lacks, and sends what others miss."""
+    for world, t, l1, r1, l2, r2 in itertools.product(range(1, 5), range(0, 8), *[range(4)] * 4):
+        for pad in PAD_MODES:
+            if not _fits(t, max(l1, l2), max(r1, r2), pad):
+                continue
+            extra, lengths = (max(l2 - l1, 0), max(r2 - r1, 0)), shard_sizes(t, world)
+            plans = [exchange_plan(r, lengths, *extra, pad, held=(l1, r1)) for r in range(world)]
+            want = _missing_slices((t,), H(0, l1, r1, pad), H(0, l2, r2, pad), world)
+            assert [sum(p.recv_splits) for p in plans] == want, (world, t, l1, r1, l2, r2, pad)
+            assert sum(sum(p.send_splits) for p in plans) == sum(want)
 
 
 @pytest.mark.simulated

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run_for_local_tensor
 
 from haloshard import _comm
 from haloshard._comm import GroupLike
+from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError, raise_rejected
 from haloshard._exchange import (
     _as_int,

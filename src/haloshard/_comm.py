@@ -24,10 +24,19 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-from torch.distributed._local_tensor import LocalIntNode, enabled_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 
+from haloshard._compat import (
+    LocalIntNode,
+    all_gather_single,
+    all_gather_single_autograd,
+    all_reduce,
+    all_to_all_single,
+    assert_async,
+    enabled_local_tensor_mode,
+    reduce_scatter_single,
+    wait_tensor,
+)
 from haloshard._errors import HaloError
 
 GroupLike = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str]
@@ -207,7 +216,7 @@ class _Flags:
         data = torch.cat(pieces).view(sum(self.recv_splits), *self.row)
         if flat.device.type != "cpu":
             # Deferred: checked on the device, no host sync (a failure is a device assert).
-            torch._assert_async(flags.eq(0).all(), "a peer raised HaloError for this layer")
+            assert_async(flags.eq(0).all(), "a peer raised HaloError for this layer")
             return data
         raised = [rank for rank, f in enumerate(flags.tolist()) if f]
         if raised:
@@ -250,7 +259,7 @@ def gather_ints(values: torch.Tensor, group: Group, what: str = "halo metadata e
             out = values.new_empty(group.size * values.numel())
             dist.all_gather_single(out, values, group=group.pg)
             return out.tolist()
-        return funcol.all_gather_single(values, 0, group.funcol_group).tolist()
+        return all_gather_single(values, 0, group.funcol_group).tolist()
 
     flat = waited(what, run)
     n = len(flat) // group.size
@@ -263,8 +272,7 @@ def start_all_to_all(
     """Start an all-to-all along dim 0 with per-peer split sizes (zero: no bytes to that
     peer). The receive buffer is allocated uninitialised: the collective fills all of it."""
     if not is_eager(buf):
-        return Pending(funcol.all_to_all_single(buf, recv_splits, send_splits,
-                                                group.funcol_group))
+        return Pending(all_to_all_single(buf, recv_splits, send_splits, group.funcol_group))
     buf = buf.contiguous()
     out = buf.new_empty((sum(recv_splits), *buf.shape[1:]))
     work = dist.all_to_all_single(out, buf, list(recv_splits), list(send_splits),
@@ -282,7 +290,7 @@ def all_to_all(
 def all_gather(buf: torch.Tensor, group: Group, what: str = "all-gather") -> torch.Tensor:
     """All-gather along dim 0: every rank gets every rank's `buf`, in rank order."""
     if not is_eager(buf):
-        return funcol.all_gather_single(buf, 0, group.funcol_group)
+        return all_gather_single(buf, 0, group.funcol_group)
     buf = buf.contiguous()
     out = buf.new_empty((group.size * buf.shape[0], *buf.shape[1:]))
     work = dist.all_gather_single(out, buf, group=group.pg, async_op=True)
@@ -294,7 +302,7 @@ def reduce_scatter(buf: torch.Tensor, group: Group, what: str = "reduce-scatter"
                    ) -> torch.Tensor:
     """Sum over ranks, then rank r keeps block r of dim 0 (the adjoint of `all_gather`)."""
     if not is_eager(buf):
-        return funcol.reduce_scatter_single(buf, "sum", 0, group.funcol_group)
+        return reduce_scatter_single(buf, "sum", 0, group.funcol_group)
     buf = buf.contiguous()
     out = buf.new_empty((buf.shape[0] // group.size, *buf.shape[1:]))
     work = dist.reduce_scatter_single(out, buf, group=group.pg, async_op=True)
@@ -339,7 +347,7 @@ def start_p2p(
 def all_reduce_sum(buf: torch.Tensor, group: Group, what: str = "all-reduce") -> torch.Tensor:
     """Sum `buf` over the group (not differentiable: for gradients after backward)."""
     if not is_eager(buf):
-        return funcol.wait_tensor(funcol.all_reduce(buf, "sum", group.funcol_group))
+        return wait_tensor(all_reduce(buf, "sum", group.funcol_group))
     out = buf.clone(memory_format=torch.contiguous_format)
     work = dist.all_reduce(out, group=group.pg, async_op=True)
     waited(what, work.wait)
@@ -366,4 +374,4 @@ def all_gather_autograd(buf: torch.Tensor, group: Group, what: str = "all-gather
     """Differentiable all-gather along dim 0; backward is a reduce-scatter of the gradient."""
     if is_eager(buf):
         return _AllGather.apply(buf, group, what)
-    return funcol.all_gather_single_autograd(buf, 0, group.funcol_group)
+    return all_gather_single_autograd(buf, 0, group.funcol_group)

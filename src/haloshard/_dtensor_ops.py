@@ -50,15 +50,22 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.distributed._local_tensor import (
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from haloshard._compat import (
+    DTensorSpec,
+    Handler,
+    OpOverload,
+    OpSchema,
+    OutputSharding,
+    TensorMeta,
+    clear_sharding_cache,
+    custom_op_handlers,
     maybe_disable_local_tensor_mode,
     maybe_run_for_local_tensor,
+    set_sharding_slow_path,
+    sharding_slow_path,
 )
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
 from haloshard._errors import HaloError
 from haloshard._layout import HaloShard
 from haloshard._redistribute import (
@@ -71,10 +78,9 @@ from haloshard._redistribute import (
 )
 
 aten = torch.ops.aten
-Handler = Callable[[torch._ops.OpOverload, tuple[object, ...], dict[str, object]], object]
 
 # Layout-keeping ops (see the module docstring); the zero-pad rule is checked per call.
-POINTWISE: frozenset[torch._ops.OpOverload] = frozenset({
+POINTWISE: frozenset[OpOverload] = frozenset({
     aten.relu.default, aten.relu_.default, aten.leaky_relu.default, aten.gelu.default,
     aten.silu.default, aten.tanh.default, aten.sigmoid.default, aten.neg.default,
     aten.abs.default, aten.exp.default, aten.add.Tensor, aten.add.Scalar, aten.add_.Tensor,
@@ -87,18 +93,18 @@ POINTWISE: frozenset[torch._ops.OpOverload] = frozenset({
 })
 # x + c keeps a zero halo only for c == 0, but torch's propagation cache may not tell one
 # scalar from another: with pad='zeros' these are refused whatever the scalar.
-SHIFTS: frozenset[torch._ops.OpOverload] = frozenset({
+SHIFTS: frozenset[OpOverload] = frozenset({
     aten.add.Tensor, aten.add.Scalar, aten.add_.Tensor, aten.sub.Tensor, aten.sub.Scalar,
 })
 # Layout-keeping ops whose value at a zero halo depends on a scalar argument (x * inf,
 # x / 0, add(alpha=inf)). torch's propagation cache keys on the arguments' types, not on
 # scalar values, so these are judged on every call, by a handler, with the actual scalars.
-SCALAR_DEPENDENT: frozenset[torch._ops.OpOverload] = frozenset({
+SCALAR_DEPENDENT: frozenset[OpOverload] = frozenset({
     aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor, aten.div.Tensor, aten.div.Scalar,
     aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.leaky_relu.default,
 })
 # Ops whose torch propagation already keeps a HaloShard right (no data change, same layout).
-KEEP: frozenset[torch._ops.OpOverload] = frozenset({aten.detach.default, aten.alias.default})
+KEEP: frozenset[OpOverload] = frozenset({aten.detach.default, aten.alias.default})
 _installed: dict[str, Any] = {}
 
 
@@ -130,12 +136,12 @@ def unsupported(op: object, placements: Sequence[Placement], why: str = "") -> H
     )
 
 
-def _probe(op: torch._ops.OpOverload, schema: OpSchema) -> torch.Tensor:
+def _probe(op: OpOverload, schema: OpSchema) -> torch.Tensor:
     """The op on zero scalars in place of the DTensor inputs: its value at a zero halo."""
     return _probe_args(op, schema.args_schema, schema.kwargs_schema)
 
 
-def _probe_args(op: torch._ops.OpOverload, args: Sequence[object],
+def _probe_args(op: OpOverload, args: Sequence[object],
                 kwargs: dict[str, object]) -> torch.Tensor:
     def zero(arg: object) -> object:
         if isinstance(arg, DTensorSpec):
@@ -149,10 +155,10 @@ def _probe_args(op: torch._ops.OpOverload, args: Sequence[object],
         return op(*[zero(a) for a in args], **{k: zero(v) for k, v in kwargs.items()})
 
 
-def _without_handler(op_call: torch._ops.OpOverload, args: tuple[object, ...],
+def _without_handler(op_call: OpOverload, args: tuple[object, ...],
                      kwargs: dict[str, object]) -> object:
     """DTensor's default dispatch of `op_call` (the handler stood in its way)."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers = custom_op_handlers()
     handler = handlers.pop(op_call)
     try:
         return op_call(*args, **kwargs)
@@ -164,7 +170,7 @@ def scalar_handler(previous: Handler | None) -> Handler:
     """A scalar-dependent op (`SCALAR_DEPENDENT`): with a `pad='zeros'` HaloShard input, the
     actual scalars must keep the zero halo zero; then DTensor's dispatch (and the guard)."""
 
-    def handler(op_call: torch._ops.OpOverload, args: tuple[object, ...],
+    def handler(op_call: OpOverload, args: tuple[object, ...],
                 kwargs: dict[str, object]) -> object:
         for arg in (*args, *kwargs.values()):
             if _is_halo(arg):
@@ -201,7 +207,7 @@ def _to_local_method(self: DTensor, *, grad_placements: Sequence[Placement] | No
     return unwrap(self, grad_placements)
 
 
-def _pointwise(op: torch._ops.OpOverload, schema: OpSchema, spec: DTensorSpec) -> OutputSharding:
+def _pointwise(op: OpOverload, schema: OpSchema, spec: DTensorSpec) -> OutputSharding:
     """Sharding for a layout-keeping op: every input shares `spec`'s layout, output too."""
     for other in _specs([*schema.args_schema, *schema.kwargs_schema.values()]):
         if other.placements != spec.placements or other.shape != spec.shape:
@@ -226,7 +232,7 @@ def _pointwise(op: torch._ops.OpOverload, schema: OpSchema, spec: DTensorSpec) -
 def _guard(previous: Callable[..., object]) -> Callable[..., object]:
     """Wrap DTensor's sharding propagation: HaloShard inputs are judged here, not by torch."""
 
-    def propagate(op_call: torch._ops.OpOverload, args: tuple[object, ...],
+    def propagate(op_call: OpOverload, args: tuple[object, ...],
                   kwargs: dict[str, object], op_info: Any, try_cache: bool) -> object:
         spec = _halo_spec(op_info.schema) if op_info.schema is not None else None
         if spec is None or op_call in KEEP:
@@ -294,7 +300,7 @@ def _with_zero_slice(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 @maybe_run_for_local_tensor
-def _conv_local(op: torch._ops.OpOverload, x: torch.Tensor, w: torch.Tensor,
+def _conv_local(op: OpOverload, x: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None, conv: tuple[Any, ...], dim: int,
                 span: int) -> torch.Tensor:
     """The local conv; an empty chunk (only halos) gives an empty output, which aten's conv
@@ -305,7 +311,7 @@ def _conv_local(op: torch._ops.OpOverload, x: torch.Tensor, w: torch.Tensor,
 
 
 @maybe_run_for_local_tensor
-def _conv_backward_local(op: torch._ops.OpOverload, g: torch.Tensor, x: torch.Tensor,
+def _conv_backward_local(op: OpOverload, g: torch.Tensor, x: torch.Tensor,
                          w: torch.Tensor, bias_sizes: Any, conv: tuple[Any, ...], dim: int,
                          span: int) -> tuple[torch.Tensor | None, ...]:
     """The local conv backward; an empty chunk as in `_conv_local` (a zero output gradient
@@ -319,7 +325,7 @@ def _conv_backward_local(op: torch._ops.OpOverload, g: torch.Tensor, x: torch.Te
 def conv_handler(previous: Handler) -> Handler:
     """`aten.convolution` on a HaloShard input: local conv, `Shard(dim)` output."""
 
-    def handler(op_call: torch._ops.OpOverload, args: tuple[object, ...],
+    def handler(op_call: OpOverload, args: tuple[object, ...],
                 kwargs: dict[str, object]) -> object:
         if not _is_halo(args[0]):
             return refuse_halo(previous)(op_call, args, kwargs)  # a halo weight: refused
@@ -351,7 +357,7 @@ def conv_backward_handler(previous: Handler) -> Handler:
     their owners: the halo's producer does that); weight and bias gradients are `Partial()`.
     """
 
-    def handler(op_call: torch._ops.OpOverload, args: tuple[object, ...],
+    def handler(op_call: OpOverload, args: tuple[object, ...],
                 kwargs: dict[str, object]) -> object:
         if not _is_halo(args[1]):
             return refuse_halo(previous)(op_call, args, kwargs)
@@ -384,7 +390,7 @@ def conv_backward_handler(previous: Handler) -> Handler:
 def refuse_halo(previous: Handler) -> Handler:
     """Another torch handler (argmax, as_strided, ...): HaloShard inputs raise `HaloError`."""
 
-    def handler(op_call: torch._ops.OpOverload, args: tuple[object, ...],
+    def handler(op_call: OpOverload, args: tuple[object, ...],
                 kwargs: dict[str, object]) -> object:
         for arg in (*args, *kwargs.values()):
             if _is_halo(arg):
@@ -423,10 +429,9 @@ def install() -> None:
     """
     if _installed:
         return
-    dispatcher = DTensor._op_dispatcher
-    handlers = dispatcher._custom_op_handlers
+    handlers = custom_op_handlers()
     _installed.update(handlers=dict(handlers), redistribute=DTensor.redistribute,
-                      propagate=dispatcher._propagate_op_sharding_dispatch_slow_path,
+                      propagate=sharding_slow_path(),
                       to_local=DTensor.to_local)
     makers = {aten.convolution.default: conv_handler,
               aten.convolution_backward.default: conv_backward_handler,
@@ -435,23 +440,23 @@ def install() -> None:
         handlers[op] = makers.get(op, refuse_halo)(previous)
     for op in SCALAR_DEPENDENT:
         handlers[op] = scalar_handler(handlers.get(op))
-    dispatcher._propagate_op_sharding_dispatch_slow_path = _guard(_installed["propagate"])
+    set_sharding_slow_path(_guard(_installed["propagate"]))
     DTensor.redistribute = _redistribute_method  # type: ignore[method-assign]
     DTensor.to_local = _to_local_method  # type: ignore[method-assign]
     # Results torch propagated for HaloShard inputs before now must be judged again.
-    _clear_sharding_prop_cache()
+    clear_sharding_cache()
 
 
 def uninstall() -> None:
     """Undo `install()` (for tests); HaloShard DTensors are unguarded afterwards."""
     if not _installed:
         return
-    dispatcher = DTensor._op_dispatcher
+    handlers = custom_op_handlers()
     for op in SCALAR_DEPENDENT - set(_installed["handlers"]):
-        dispatcher._custom_op_handlers.pop(op, None)
-    dispatcher._custom_op_handlers.update(_installed["handlers"])
+        handlers.pop(op, None)
+    handlers.update(_installed["handlers"])
     DTensor.to_local = _installed["to_local"]  # type: ignore[method-assign]
-    dispatcher._propagate_op_sharding_dispatch_slow_path = _installed["propagate"]
+    set_sharding_slow_path(_installed["propagate"])
     DTensor.redistribute = _installed["redistribute"]  # type: ignore[method-assign]
     _installed.clear()
-    _clear_sharding_prop_cache()
+    clear_sharding_cache()

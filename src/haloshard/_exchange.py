@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 from einops import rearrange
-from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run_for_local_tensor
 
 from haloshard import _comm
 from haloshard._comm import Group, GroupLike
+from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError, raise_rejected
 from haloshard._layout import LENIENT_PADS, PAD_MODES, check_pad_fits, shard_sizes
-from haloshard._plan import HaloFill, exchange_plan, halo_fill
+from haloshard._plan import HaloFill, Held, exchange_plan, halo_fill
 from haloshard._simulated import per_rank
 
 TRANSPORTS: tuple[str, ...] = ("all_to_all", "p2p", "allgather")
@@ -259,9 +259,10 @@ def _index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 @lru_cache(maxsize=1024)
 def _plan_tensors(
-    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device,
+    held: Held = (0, 0),
 ) -> tuple[torch.Tensor, ...]:
-    plan = exchange_plan(rank, lengths, left, right, pad)
+    plan = exchange_plan(rank, lengths, left, right, pad, held)
     idx = (plan.send_idx, plan.self_idx, plan.gather_idx, plan.gather_pick)
     return tuple(_index(i, device) for i in idx)
 
@@ -269,10 +270,10 @@ def _plan_tensors(
 @lru_cache(maxsize=1024)
 def _fill_tensors(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device,
-    gap: int | None,
+    gap: int | None, held: Held = (0, 0),
 ) -> HaloFill[torch.Tensor]:
-    plan = exchange_plan(rank, lengths, left, right, pad)
-    fill = halo_fill(plan, lengths[rank] if gap is None else gap)
+    plan = exchange_plan(rank, lengths, left, right, pad, held)
+    fill = halo_fill(plan, lengths[rank] + sum(held) if gap is None else gap)
     return HaloFill(*(_index(getattr(fill, f.name), device) for f in fields(fill)))
 
 
@@ -283,17 +284,17 @@ _rank_fill_tensors = per_rank(HaloFill)(_fill_tensors)
 
 @maybe_run_for_local_tensor
 def _plan_ints(
-    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, held: Held = (0, 0)
 ) -> list[int]:
     # A flat list: LocalTensorMode combines per-rank ints position by position.
-    plan = exchange_plan(rank, lengths, left, right, pad)
+    plan = exchange_plan(rank, lengths, left, right, pad, held)
     return [*plan.recv_splits, *plan.send_splits, plan.gather_len - len(plan.gather_idx)]
 
 
 def _split_plan(rank: Any, lengths: tuple[int, ...], left: int, right: int, pad: str,
-                world: int) -> tuple[list[Any], list[Any], Any]:
+                world: int, held: Held = (0, 0)) -> tuple[list[Any], list[Any], Any]:
     """(receive splits, send splits, allgather padding) of this rank's exchange."""
-    ints = _plan_ints(rank, lengths, left, right, pad)
+    ints = _plan_ints(rank, lengths, left, right, pad, held)
     return ints[:world], ints[world : 2 * world], ints[-1]
 
 
@@ -321,6 +322,7 @@ class _Route:
     to_front: str
     from_front: str
     flagged: bool = False  # the forward move carries status flags (see `_agree`)
+    held: Held = (0, 0)  # halo widths the input already holds (a re-halo; see `widen`)
 
 
 def _forward_move(x: torch.Tensor, send_idx: torch.Tensor, gather_idx: torch.Tensor,
@@ -386,7 +388,8 @@ class HaloMove:
     Split into steps so a consumer can do its own work while the halo is in flight:
     `start` -> (other work) -> `fill`; backward: `start_backward` -> (other work) -> `fold`.
     Halos live in a buffer `left + gap + right` long along the dim: the exchanged chunk
-    (`gap` None: the chunk's length) or windows around the chunk's edges.
+    (`gap` None: the input's length, chunk and held halos) or windows around the chunk's
+    edges.
     """
 
     send_idx: torch.Tensor
@@ -397,7 +400,8 @@ class HaloMove:
 
     def _fill_index(self, device: torch.device, gap: int | None) -> HaloFill[torch.Tensor]:
         r = self.route
-        return _rank_fill_tensors(r.group.rank, r.lengths, r.left, r.right, r.pad, device, gap)
+        return _rank_fill_tensors(r.group.rank, r.lengths, r.left, r.right, r.pad, device, gap,
+                                  r.held)
 
     def start(self, x: torch.Tensor) -> _comm.Pending:
         """Start moving `x`'s edge slices to the ranks that need them."""
@@ -512,12 +516,21 @@ def prepare_halo(
                                    problem, reuse)
     if left == right == 0:
         return None, lengths
-    to_front, from_front = _front(x.ndim, dim)
+    route = _route(x, left, right, dim, grp, lengths, pad=pad, transport=transport,
+                   flagged=flagged)
     tensors = _rank_plan_tensors(grp.rank, lengths, left, right, pad, x.device)
-    recv, send, gather_pad = _split_plan(grp.rank, lengths, left, right, pad, grp.size)
-    route = _Route(dim, left, right, pad, transport, grp, lengths, recv, send, gather_pad,
-                   to_front, from_front, flagged)
     return HaloMove(*tensors, route), lengths
+
+
+def _route(x: torch.Tensor, left: int, right: int, dim: int, group: Group,
+           lengths: tuple[int, ...], *, pad: str, transport: str, flagged: bool = False,
+           held: Held = (0, 0)) -> _Route:
+    """The route of an agreed exchange (`dim` normalised, every chunk length known)."""
+    to_front, from_front = _front(x.ndim, dim)
+    recv, send, gather_pad = _split_plan(group.rank, lengths, left, right, pad, group.size,
+                                         held)
+    return _Route(dim, left, right, pad, transport, group, lengths, recv, send, gather_pad,
+                  to_front, from_front, flagged, held)
 
 
 def halo_exchange(
@@ -606,3 +619,36 @@ def exchange(
     move, _ = prepare_halo(x, left, right, dim, group, pad=pad, transport=transport,
                            global_length=global_length, problem=problem, reuse=reuse)
     return x if move is None else _HaloExchange.apply(x, move)
+
+
+def widen(
+    x: torch.Tensor, left: int, right: int, dim: int, group: GroupLike, *, held: Held,
+    lengths: tuple[int, ...], pad: str, transport: str | None = None,
+) -> torch.Tensor:
+    """Extend a local tensor that already holds `held` halo slices by `left` / `right` more.
+
+    The re-halo of `HaloShard(dim, l, r) -> HaloShard(dim, l + left, r + right)`: the same
+    plan, transports and autograd Function as `halo_exchange`, but each rank receives only
+    the slices it holds nowhere yet (the rest are copied from its chunk and held halos).
+    Forward copies the missing slices into the new halos:
+    `(.., l + T_r + r, ..) -> (.., l + left + T_r + r + right, ..)`. Backward adds the new
+    halos' gradients into the slices they copy (owners' chunks, or this rank's own slices).
+    No agreement step: `lengths` come from DTensor metadata every rank shares.
+
+    Raises:
+        HaloError: for an unknown transport.
+
+    Example::
+        >>> # 4 ranks, global T = 8, x: HaloShard(2, 1, 0) local tensor (1, 8, 3)
+        >>> widen(x, 2, 1, 2, mesh, held=(1, 0), lengths=(2, 2, 2, 2), pad="zeros").shape
+        torch.Size([1, 8, 6])
+    """
+    transport = "all_to_all" if transport is None else transport
+    if transport not in TRANSPORTS:
+        raise HaloError(f"transport must be one of {TRANSPORTS} or None, got {transport!r}")
+    if left == right == 0:
+        return x
+    grp = _comm.resolve_group(group)
+    route = _route(x, left, right, dim, grp, lengths, pad=pad, transport=transport, held=held)
+    tensors = _rank_plan_tensors(grp.rank, lengths, left, right, pad, x.device, held)
+    return _HaloExchange.apply(x, HaloMove(*tensors, route))

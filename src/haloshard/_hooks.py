@@ -32,10 +32,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._local_tensor import (
-    enabled_local_tensor_mode,
-    maybe_run_for_local_tensor,
-)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
@@ -44,6 +40,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from haloshard import _comm, _segments
+from haloshard._compat import (
+    enabled_local_tensor_mode,
+    maybe_run_for_local_tensor,
+)
 from haloshard._conv import halo_conv
 from haloshard._errors import HaloError, named
 from haloshard._exchange import Reuse, exchange

@@ -36,20 +36,22 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._local_tensor import (
-    LocalTensor,
-    enabled_local_tensor_mode,
-    maybe_run_for_local_tensor,
-)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from haloshard import _comm, _segments
 from haloshard._attention import gather_many
+from haloshard._compat import (
+    LocalTensor,
+    enabled_local_tensor_mode,
+    local_tensors,
+    maybe_run_for_local_tensor,
+    tree_flatten,
+    tree_unflatten,
+)
 from haloshard._errors import HaloError, named
 from haloshard._hooks import (
     _INSIDE,
@@ -693,10 +695,10 @@ def _diagonal(t: torch.Tensor) -> torch.Tensor:
     """Under simulated ranks DTensor's backward may nest per-rank values (a LocalTensor of
     LocalTensors); rank r's value is then its own rank's entry."""
     if not isinstance(t, LocalTensor) or not any(
-            isinstance(v, LocalTensor) for v in t._local_tensors.values()):
+            isinstance(v, LocalTensor) for v in local_tensors(t).values()):
         return t
-    return LocalTensor({r: v._local_tensors[r] if isinstance(v, LocalTensor) else v
-                        for r, v in t._local_tensors.items()})
+    return LocalTensor({r: local_tensors(v)[r] if isinstance(v, LocalTensor) else v
+                        for r, v in local_tensors(t).items()})
 
 
 @maybe_run_for_local_tensor

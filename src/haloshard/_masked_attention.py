@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run_for_local_tensor
 
 from haloshard._attention import gather_along
 from haloshard._comm import Group, GroupLike, resolve_group
+from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
 from haloshard._layout import shard_size_and_offset, shard_sizes
 

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed._local_tensor import maybe_run_for_local_tensor
 
 from haloshard import _comm
 from haloshard._comm import GroupLike
+from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError, raise_rejected
 from haloshard._exchange import _dtype_code, _tensor_problem, shown
 from haloshard._segments import Segments, local_segments

@@ -6,6 +6,10 @@ local offset. Each rank receives every remote slice it needs exactly once, howev
 positions copy it (replicate and reflect repeat slices), so bytes on the wire equal the
 distinct halo bytes. The plan is pure Python and cached: it depends only on the rank, the
 chunk lengths and the halo.
+
+A plan can also widen a layout whose ranks already hold `held = (hl, hr)` halo slices (a
+re-halo): it then adds `left` / `right` slices beyond those, and only slices a rank does not
+hold yet (in its chunk or its held halos) cross the wire.
 """
 
 from __future__ import annotations
@@ -19,12 +23,16 @@ from haloshard._layout import padded_source
 
 # Positions as ints (the plan) or as index tensors (`_exchange` builds them per device).
 _Index = TypeVar("_Index")
+# Halo widths (left, right) every rank already holds when a plan widens a layout.
+Held = tuple[int, int]
 
 
 @dataclass(frozen=True)
 class ExchangePlan:
     """One rank's part of a halo exchange; all offsets are rank-local slice indices.
 
+    Local indices (`send_idx`, `self_idx`, `gather_idx`) count in the held layout: the
+    chunk preceded by the `held` left halo (the chunk itself when nothing is held).
     The receive buffer holds, for source ranks in order, the distinct slices wanted from each
     (sorted). The halo source buffer is `recv ++ own slices (self_idx) ++ [one zero slice]`;
     `left_idx` / `right_idx` index it to build the halos.
@@ -99,74 +107,115 @@ def _owner(index: int, ends: tuple[int, ...]) -> int:
     raise AssertionError(f"slice {index} beyond the global length {ends[-1]}")
 
 
+
 def _wanted(
-    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, held: Held = (0, 0)
 ) -> tuple[list[int | None], list[int | None]]:
-    """Global sources of `rank`'s left and right halo slices (None: zero)."""
+    """Global sources of `rank`'s new left and right halo slices (None: zero): the `left`
+    slices before its held layout and the `right` slices after it."""
     total = sum(lengths)
-    start = sum(lengths[:rank])
-    end = start + lengths[rank]
+    start = sum(lengths[:rank]) - held[0]
+    end = sum(lengths[: rank + 1]) + held[1]
     lefts = [padded_source(start - left + i, total, pad) for i in range(left)]
     rights = [padded_source(end + i, total, pad) for i in range(right)]
     return lefts, rights
 
 
+@lru_cache(maxsize=4096)
+def _held_positions(rank: int, lengths: tuple[int, ...], pad: str, held: Held) -> dict[int, int]:
+    """Global slice -> local index in `rank`'s held layout, for every slice it holds.
+
+    A slice held twice (a padded halo repeats one) maps to its chunk position if it has
+    one, else to its first position.
+
+    Example::
+        >>> _held_positions(0, (2, 2), "replicate", (1, 1))
+        {0: 1, 1: 2, 2: 3}
+    """
+    start, total = sum(lengths[:rank]) - held[0], sum(lengths)
+    width = held[0] + lengths[rank] + held[1]
+    chunk = range(held[0], held[0] + lengths[rank])
+    order = [*chunk, *(j for j in range(width) if j not in chunk)]
+    out: dict[int, int] = {}
+    for j in order:
+        g = padded_source(start + j, total, pad)
+        if g is not None:
+            out.setdefault(g, j)
+    return out
+
+
 def _remote_needs(
-    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, held: Held = (0, 0)
 ) -> list[list[int]]:
-    """For every source rank, the sorted distinct global slices `rank` needs from it."""
+    """For every source rank, the sorted distinct global slices `rank` needs from it (the
+    slices it holds already, its chunk included, are not needed)."""
     ends = tuple(accumulate(lengths))
     needs: list[set[int]] = [set() for _ in lengths]
-    lefts, rights = _wanted(rank, lengths, left, right, pad)
+    lefts, rights = _wanted(rank, lengths, left, right, pad, held)
+    mine = _held_positions(rank, lengths, pad, held)
     for g in lefts + rights:
-        if g is not None:
+        if g is not None and g not in mine:
             needs[_owner(g, ends)].add(g)
-    needs[rank] = set()
     return [sorted(n) for n in needs]
 
 
 @lru_cache(maxsize=4096)
 def exchange_plan(
-    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, held: Held = (0, 0)
 ) -> ExchangePlan:
     """The plan for `rank` given every rank's chunk length along the sharded dim.
+
+    `held`: the halo widths every rank already holds (a re-halo); the plan then adds
+    `left` / `right` slices beyond them and receives only slices the rank does not hold.
 
     Example::
         >>> p = exchange_plan(1, (2, 2, 1, 0), 3, 0, "zeros")
         >>> p.recv_splits, p.left_idx
         ((2, 0, 0, 0), (2, 0, 1))
+        >>> exchange_plan(1, (2, 2, 1, 0), 2, 0, "zeros", held=(1, 0)).recv_splits
+        (1, 0, 0, 0)
     """
-    starts = (0, *accumulate(lengths))
-    world = len(lengths)
-    mine = _remote_needs(rank, lengths, left, right, pad)
-    theirs = _theirs(rank, lengths, left, right, pad)
-    send_idx = tuple(g - starts[rank] for wanted in theirs for g in wanted)
+    base = sum(lengths[:rank]) - held[0]  # global index of local position 0
+    mine = _remote_needs(rank, lengths, left, right, pad, held)
+    theirs = _theirs(rank, lengths, left, right, pad, held)
     recv_order = [g for wanted in mine for g in wanted]
     position = {g: i for i, g in enumerate(recv_order)}
-    lefts, rights = _wanted(rank, lengths, left, right, pad)
+    lefts, rights = _wanted(rank, lengths, left, right, pad, held)
     own = sorted({g for g in lefts + rights if g is not None} - set(position))
     for i, g in enumerate(own):
         position[g] = len(recv_order) + i
     zero = len(recv_order) + len(own)
-    union = [sorted({g for w in _theirs(q, lengths, left, right, pad) for g in w})
-             for q in range(world)]
-    gather_len = max([0, *(len(u) for u in union)])
-    slot = {g: q * gather_len + i for q, u in enumerate(union) for i, g in enumerate(u)}
+    gather_len, gather_idx, gather_pick = _gather(rank, lengths, left, right, pad, held,
+                                                  recv_order)
+    local = _held_positions(rank, lengths, pad, held)
     return ExchangePlan(
-        send_idx=send_idx,
+        send_idx=tuple(g - base for wanted in theirs for g in wanted),
         send_splits=tuple(len(w) for w in theirs),
         recv_splits=tuple(len(w) for w in mine),
-        self_idx=tuple(g - starts[rank] for g in own),
+        self_idx=tuple(local[g] for g in own),
         left_idx=tuple(zero if g is None else position[g] for g in lefts),
         right_idx=tuple(zero if g is None else position[g] for g in rights),
-        gather_idx=tuple(g - starts[rank] for g in union[rank]),
+        gather_idx=tuple(g - base for g in gather_idx),
         gather_len=gather_len,
-        gather_pick=tuple(slot[g] for g in recv_order),
+        gather_pick=gather_pick,
     )
 
 
+def _gather(
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, held: Held,
+    recv_order: list[int],
+) -> tuple[int, list[int], tuple[int, ...]]:
+    """The allgather transport's layout: (rows per rank, the global slices this rank
+    contributes, where each received slice sits in the gathered buffer)."""
+    union = [sorted({g for w in _theirs(q, lengths, left, right, pad, held) for g in w})
+             for q in range(len(lengths))]
+    gather_len = max([0, *(len(u) for u in union)])
+    slot = {g: q * gather_len + i for q, u in enumerate(union) for i, g in enumerate(u)}
+    return gather_len, union[rank], tuple(slot[g] for g in recv_order)
+
+
 def _theirs(
-    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, held: Held = (0, 0)
 ) -> list[list[int]]:
     """For every destination rank, the global slices it needs from `rank`."""
-    return [_remote_needs(p, lengths, left, right, pad)[rank] for p in range(len(lengths))]
+    return [_remote_needs(p, lengths, left, right, pad, held)[rank] for p in range(len(lengths))]

@@ -8,8 +8,8 @@ touches a `HaloShard` through haloshard's own exchange and hands the rest to tor
 - `Replicate -> HaloShard`: local slicing and padding, no communication;
 - `HaloShard -> Shard(d)`: the halos are dropped, no communication;
 - `HaloShard -> Replicate`: drop halos, then torch's all-gather;
-- `HaloShard -> HaloShard` (other widths): narrowing needs nothing, widening fetches only
-  the slices the rank does not hold yet.
+- `HaloShard -> HaloShard` (other widths): narrowing needs nothing, widening is an
+  exchange (same plan and transports) of only the slices the rank does not hold yet.
 
 Gradient convention: the gradient of a `HaloShard` DTensor carries the same placement and
 its local tensor is d(loss)/d(local tensor), halo slices included; the halo gradients are
@@ -26,14 +26,12 @@ from itertools import accumulate
 from typing import Any
 
 import torch
-from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from haloshard import _comm
-from haloshard._comm import Group
+from haloshard._compat import local_tensor, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
-from haloshard._exchange import halo_exchange
+from haloshard._exchange import halo_exchange, widen
 from haloshard._layout import HaloShard, check_pad_fits, shard_sizes
 
 # torch's own method, captured before `_dtensor_ops` routes HaloShard requests through us.
@@ -159,7 +157,7 @@ def check_local(dt: DTensor) -> None:
         return
     p = dt.placements[axis]
     assert isinstance(p, HaloShard)
-    local, mesh = dt._local_tensor, dt.device_mesh
+    local, mesh = local_tensor(dt), dt.device_mesh
     if p.dim >= local.ndim:
         raise HaloError(f"{p!r} shards dim {p.dim} of a {local.ndim}-D local tensor")
     size, length = mesh.size(axis), dt.shape[p.dim]
@@ -204,7 +202,8 @@ def redistribute(dt: DTensor, placements: Sequence[Placement], *,
         dt: the DTensor to move.
         placements: one placement per mesh axis; at most one `HaloShard`, on a tensor dim
             no other mesh axis splits.
-        transport: `halo_exchange`'s transport for `Shard -> HaloShard` (default all_to_all).
+        transport: `halo_exchange`'s transport for `Shard -> HaloShard` and for widening a
+            `HaloShard` (default all_to_all).
 
     Returns:
         A DTensor on `dt`'s mesh with `placements`.
@@ -311,87 +310,22 @@ def _drop_halos(dt: DTensor, axis: int) -> DTensor:
     return wrap(core, dt, without_halo(dt.placements))
 
 
-def _held(p: HaloShard, lengths: tuple[int, ...], rank: int) -> dict[int, int]:
-    """Global slice -> local index, for the slices `rank` holds in layout `p` (chunk wins)."""
-    sources = p.local_sources(sum(lengths), len(lengths), rank)
-    chunk = range(p.left, p.left + lengths[rank])
-    order = [j for j in range(len(sources)) if j not in chunk] + list(chunk)
-    return {g: j for j in order if (g := sources[j]) is not None}
-
-
-def _missing(old: HaloShard, new: HaloShard, lengths: tuple[int, ...],
-             rank: int) -> list[list[int]]:
-    """Per owner rank, the sorted global slices `rank` needs for `new` but lacks in `old`."""
-    held = _held(old, lengths, rank)
-    ends = tuple(accumulate(lengths))
-    need: list[set[int]] = [set() for _ in lengths]
-    for g in new.local_sources(sum(lengths), len(lengths), rank):
-        if g is not None and g not in held:
-            need[next(q for q, end in enumerate(ends) if g < end)].add(g)
-    return [sorted(n) for n in need]
-
-
-@lru_cache(maxsize=1024)
-def _rehalo_plan(rank: int, lengths: tuple[int, ...], old: HaloShard,
-                 new: HaloShard) -> tuple[list[int], list[int], list[int], list[int]]:
-    """(send_idx, take_idx, recv_splits, send_splits) for widening `old` to `new`.
-
-    take_idx indexes `old local ++ received slices ++ one zero slice` along the dim.
-    """
-    start = sum(lengths[:rank])
-    mine = _missing(old, new, lengths, rank)
-    theirs = [_missing(old, new, lengths, q)[rank] for q in range(len(lengths))]
-    send_idx = [old.left + g - start for wanted in theirs for g in wanted]
-    held, width = _held(old, lengths, rank), old.local_length(sum(lengths), len(lengths), rank)
-    position = {g: width + i for i, g in enumerate(g for w in mine for g in w)}
-    zero = width + len(position)
-    take = [zero if g is None else held.get(g, position.get(g, zero))
-            for g in new.local_sources(sum(lengths), len(lengths), rank)]
-    return send_idx, take, [len(w) for w in mine], [len(w) for w in theirs]
-
-
-class _Fetch(torch.autograd.Function):
-    """Forward: chunk q of `buf` (dim 0, send_splits[q] slices) goes to rank q.
-    Backward: the same all-to-all with the splits swapped (its adjoint)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, buf: torch.Tensor, recv_splits: list[Any], send_splits: list[Any],
-        group: Group,
-    ) -> torch.Tensor:
-        ctx.splits, ctx.group = (recv_splits, send_splits), group
-        return _comm.all_to_all(buf.contiguous(), recv_splits, send_splits, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        recv_splits, send_splits = ctx.splits
-        moved = _comm.all_to_all(grad.contiguous(), send_splits, recv_splits, ctx.group)
-        return moved, None, None, None
-
-
 def _rehalo(dt: DTensor, axis: int, new: HaloShard, transport: str | None) -> DTensor:
-    """`HaloShard(d, l, r) -> HaloShard(d, l', r')`: only slices no rank holds yet move.
+    """`HaloShard(d, l, r) -> HaloShard(d, l', r')` on one axis (same pad mode).
 
-    Forward: `(.., l + T_r + r, ..) -> (.., l' + T_r + r', ..)`; backward: gradients of
-    fetched slices go back to their owners' chunks, the rest stay local.
+    Widening is `widen`: the exchange plan of the extra slices, given the ones every rank
+    holds, so only slices no rank holds yet cross the wire, by `transport`. Narrowing a side
+    drops slices, no communication. Forward: `(.., l + T_r + r, ..) -> (.., l' + T_r + r',
+    ..)`; backward: the new halos' gradients are added into the slices they copy (owners'
+    chunks or this rank's held slices), dropped slices get zero.
     """
     old, mesh = dt.placements[axis], dt.device_mesh
     assert isinstance(old, HaloShard)
     dst = tuple(new if i == axis else q for i, q in enumerate(dt.placements))
-    local, d = unwrap(dt), old.dim
-    if new.left <= old.left and new.right <= old.right:
-        size = local.shape[d] - old.left - old.right + new.left + new.right
-        return wrap(local.narrow(d, old.left - new.left, size), dt, dst)
-    group = _comm.resolve_group((mesh, axis))
-    lengths = shard_sizes(dt.shape[d], group.size)
-    plan = maybe_run_for_local_tensor(
-        lambda r: [torch.tensor(i, dtype=torch.int64, device=local.device)
-                   for i in _rehalo_plan(r, lengths, old, new)[:2]])(group.rank)
-    splits = maybe_run_for_local_tensor(
-        lambda r: [*_rehalo_plan(r, lengths, old, new)[2], *_rehalo_plan(r, lengths, old, new)[3]]
-    )(group.rank)
-    send = local.index_select(d, plan[0]).movedim(d, 0)
-    recv = _Fetch.apply(send, splits[: group.size], splits[group.size :], group).movedim(0, d)
-    zero = local.new_zeros([1 if i == d else s for i, s in enumerate(local.shape)])
-    source = torch.cat([local, recv, zero], d)
-    return wrap(source.index_select(d, plan[1]), dt, dst)
+    d, extra = old.dim, (max(new.left - old.left, 0), max(new.right - old.right, 0))
+    lengths = shard_sizes(dt.shape[d], mesh.size(axis))
+    wide = widen(unwrap(dt), *extra, d, (mesh, axis), held=(old.left, old.right),
+                 lengths=lengths, pad=old.pad, transport=transport)
+    start = extra[0] + old.left - new.left
+    size = wide.shape[d] - start - (extra[1] + old.right - new.right)
+    return wrap(wide.narrow(d, start, size), dt, dst)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed._local_tensor import maybe_run_for_local_tensor
 
+from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError
 from haloshard._layout import shard_size_and_offset
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, TypeVar
 
-from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run_for_local_tensor
+from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 
 _R = TypeVar("_R")
 

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from torch import nn
 
+from haloshard._compat import CONV_PADDING_RECORD
 from haloshard._errors import HaloError
 from haloshard._layout import HaloShard, PadMode, shard_size_and_offset, shard_sizes
 
@@ -282,7 +283,7 @@ def conv_padding(module: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> list[tuple[int, i
     else:
         pairs = [(int(p), int(p)) for p in (padding * n if len(padding) == 1 else padding)]
     if module.padding_mode != "zeros":
-        rev = module._reversed_padding_repeated_twice
+        rev = getattr(module, CONV_PADDING_RECORD)
         stale = [(rev[2 * (n - 1 - i)], rev[2 * (n - 1 - i) + 1]) for i in range(n)]
         if stale != pairs:
             raise HaloError(
@@ -422,7 +423,7 @@ def _conv_attrs(module: nn.Conv1d, si: int, n: int) -> dict[str, object]:
                         "an odd kernel there or padding_mode other than 'zeros'")
     # torch pads non-zeros modes from its private record: keep it in step with `padding`.
     rev = [p for lo, hi in reversed(pairs) for p in (lo, hi)]
-    return {"padding": tuple(lo for lo, _ in pairs), "_reversed_padding_repeated_twice": rev}
+    return {"padding": tuple(lo for lo, _ in pairs), CONV_PADDING_RECORD: rev}
 
 
 def check_spec(module: nn.Module, spec: HaloShard, dim: int) -> None:

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed._local_tensor import maybe_run_for_local_tensor
 
 from haloshard import _comm
 from haloshard._comm import Group, GroupLike
+from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError, raise_rejected
 from haloshard._exchange import halo_exchange
 from haloshard._layout import PAD_MODES, check_pad_fits, shard_sizes

@@ -29,14 +29,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from einops import rearrange
-from torch.distributed._local_tensor import (
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from haloshard._compat import (
     LocalTensor,
     LocalTensorMode,
+    fake_store,
+    local_tensors,
     maybe_disable_local_tensor_mode,
     maybe_run_for_local_tensor,
 )
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
 from haloshard._errors import HaloError
 from haloshard._layout import shard_size_and_offset
 
@@ -117,14 +119,11 @@ def simulated_mesh(
         >>> with simulated_mesh(4) as mesh:
         ...     x = rank_map(mesh, lambda r: torch.full((2,), float(r)))
     """
-    # Importing fake_pg registers torch's "fake" backend (shapes only, no data moved).
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
     world = math.prod(dims)
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+        dist.init_process_group("fake", rank=0, world_size=world, store=fake_store())
     elif dist.get_world_size() != world or dist.get_backend() != "fake":
         raise HaloError(
             f"simulated_mesh({dims}) needs no process group or a fake one of {world} ranks, "
@@ -281,7 +280,7 @@ def per_rank(tensor: torch.Tensor) -> dict[int, torch.Tensor]:
     """
     with maybe_disable_local_tensor_mode():
         if isinstance(tensor, LocalTensor):
-            locals_ = tensor._local_tensors
+            locals_ = local_tensors(tensor)
             return {r: locals_[r].detach().clone() for r in sorted(locals_)}
         rank = dist.get_rank() if dist.is_initialized() else 0
         return {rank: tensor.detach().clone()}
@@ -294,12 +293,10 @@ def sum_over_ranks(t: torch.Tensor, mesh: DeviceMesh, *, mesh_axis: int | str = 
     gradient. Under `LocalTensorMode` it adds the simulated ranks' values of the axis group
     of simulated rank 0 (a 1-D mesh: all of them).
     """
-    from torch.distributed._local_tensor import LocalTensor
-
     if isinstance(t, LocalTensor):
         with maybe_disable_local_tensor_mode():
             ranks = _axis_ranks(mesh, mesh_axis)
-            return sum(t._local_tensors[r] for r in ranks)  # type: ignore[return-value]
+            return sum(local_tensors(t)[r] for r in ranks)  # type: ignore[return-value]
     out = t.detach().clone()
     dist.all_reduce(out, group=mesh.get_group(mesh_axis))
     return out

@@ -50,13 +50,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from haloshard import _segments
 from haloshard._attention import gather_along
+from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError, named
 from haloshard._hooks import (
     Annotation,
