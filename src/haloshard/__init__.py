@@ -11,7 +11,12 @@ from haloshard._comm import set_timeout
 from haloshard._conv import halo_conv
 from haloshard._errors import HaloError
 from haloshard._exchange import TRANSPORTS, halo_exchange
-from haloshard._hooks import HaloHandle, annotate
+from haloshard._forward import (
+    HaloHandle,
+)
+from haloshard._hooks import (
+    annotate,
+)
 from haloshard._layer_styles import (
     AttentionParallel,
     CausalConvParallel,

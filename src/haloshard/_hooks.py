@@ -19,9 +19,6 @@ then. Inside that wrapper:
 
 from __future__ import annotations
 
-import copy
-import functools
-import inspect
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -34,10 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
-from torch.utils.hooks import RemovableHandle
 
 from haloshard import _comm, _segments
 from haloshard._compat import (
@@ -45,8 +40,16 @@ from haloshard._compat import (
     maybe_run_for_local_tensor,
 )
 from haloshard._conv import halo_conv
-from haloshard._errors import HaloError, named
+from haloshard._errors import HaloError
 from haloshard._exchange import Reuse, exchange
+from haloshard._forward import (
+    _HANDLE,
+    HaloHandle,
+    ShardedForward,
+    handle_of,
+    module_name,
+)
+from haloshard._forward import INSIDE as _INSIDE
 from haloshard._layout import HaloShard, check_pad_fits, shard_size_and_offset
 from haloshard._specs import (
     _CONVS,
@@ -69,30 +72,7 @@ from haloshard._varlen import active_boundaries, varlen_conv
 # How a module runs on its window: `local(forward, window, *args, **kwargs) -> output`.
 LocalRun = Callable[..., Any]
 _ANNOTATION = "_haloshard_annotation"
-_HANDLE = "_haloshard_handle"
 # True while a halo module's forward runs: halo modules nested in it pass through.
-class _Flag:
-    """A ContextVar-like flag that torch.compile can trace (dynamo cannot trace ContextVar).
-
-    Not thread-local: one forward runs at a time per process (LocalTensorMode simulates
-    ranks in one thread).
-    """
-
-    def __init__(self) -> None:
-        self.value = False
-
-    def get(self) -> bool:
-        return self.value
-
-    def set(self, value: bool) -> bool:
-        previous, self.value = self.value, value
-        return previous
-
-    def reset(self, token: bool) -> None:
-        self.value = token
-
-
-_INSIDE = _Flag()
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 _CONV_FNS = (F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d)
 _F_PAD_MODE = {"constant": "zeros", "replicate": "replicate", "reflect": "reflect",
@@ -179,143 +159,10 @@ def annotate(module: nn.Module, spec: HaloShard | Stencil | None = None, *, dim:
     return module
 
 
-def module_name(module: nn.Module) -> str:
-    """How errors name `module`: `"fqn (Class)"` when it is being planned by
-    `parallelize_module` (the fqn within the model passed to it), else `"Class"`."""
-    cls = type(module).__name__
-    frame, root = inspect.currentframe(), None
-    while frame is not None:  # the outermost parallelize_module call holds the model
-        if frame.f_code is parallelize_module.__code__:
-            root = frame.f_locals.get("module")
-        frame = frame.f_back
-    if isinstance(root, nn.Module):
-        for fqn, inner in root.named_modules():
-            if inner is module:
-                return f"{fqn or '<root>'} ({cls})"
-    return cls
-
-
-def names_errors(apply: Callable[[Any, nn.Module, DeviceMesh], nn.Module]
-                 ) -> Callable[[Any, nn.Module, DeviceMesh], nn.Module]:
-    """A style's `_apply` whose HaloErrors name the module (see `module_name`)."""
-
-    @functools.wraps(apply)
-    def checked(style: Any, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        try:
-            return apply(style, module, device_mesh)
-        except HaloError as error:
-            raise named(error, module_name(module)) from error
-
-    return checked
-
-
 def annotation_of(module: nn.Module) -> Annotation | None:
     """The module's annotation, or None."""
     found = getattr(module, _ANNOTATION, None)
     return found if isinstance(found, Annotation) else None
-
-
-class HaloHandle:
-    """Undoes `attach`: `remove()` restores the module's forward and padding exactly.
-
-    Example::
-        >>> handle = halo_handles(model)["encoder.conv_in"]
-        >>> handle.remove()  # the module is as it was before parallelize_module
-    """
-
-    def __init__(self, module: nn.Module, saved: dict[str, Any], forward: Any) -> None:
-        self._module: nn.Module | None = module
-        self._saved, self._forward = saved, forward
-        self._hooks: list[RemovableHandle] = []
-
-    @property
-    def attached(self) -> bool:
-        return self._module is not None
-
-    def remove(self) -> None:
-        """Restore the module; a second call does nothing."""
-        module, self._module = self._module, None
-        if module is None:
-            return
-        for name, value in self._saved.items():
-            setattr(module, name, value)
-        if self._forward is None:
-            del module.forward
-        else:
-            module.forward = self._forward
-        for hook in self._hooks:
-            hook.remove()
-        delattr(module, _HANDLE)
-
-
-def output_layouts(module: nn.Module, dim: int, layout: Placement | None,
-                   use_local_output: bool) -> None:
-    """Give a styled module's DTensor output the `layout` on its sharded mesh axis
-    (`Replicate()` gathers it; None keeps `Shard(dim)`) and, with `use_local_output`, return
-    the local tensor, as torch's `ParallelStyle`s do; the module's handle removes the hook.
-    """
-    if layout is None and not use_local_output:
-        return
-
-    def convert(y: Any) -> Any:
-        if not isinstance(y, DTensor):
-            return y
-        if layout is not None:
-            axis = next(i for i, p in enumerate(y.placements) if p == Shard(dim))
-            placements = tuple(layout if i == axis else p for i, p in enumerate(y.placements))
-            if placements != tuple(y.placements):
-                y = y.redistribute(y.device_mesh, placements)
-        return y.to_local() if use_local_output else y
-
-    def hook(mod: nn.Module, args: Any, out: Any) -> Any:
-        if isinstance(out, tuple) and out:
-            return (convert(out[0]), *out[1:])
-        return convert(out)
-
-    handle = handle_of(module)
-    assert handle is not None, "output_layouts after the style is installed"
-    handle._hooks.append(module.register_forward_hook(hook))
-
-
-def check_layouts(style: str, dim: int, input_layouts: Placement | None,
-                  layout: Placement | None) -> None:
-    """The layouts a haloshard style takes: input `Shard(dim)`; output `Shard(dim)` or
-    `Replicate()`.
-
-    Raises:
-        HaloError: for any other.
-    """
-    if input_layouts is not None and input_layouts != Shard(dim):
-        raise HaloError(f"{style} takes input_layouts=Shard({dim}) (or None), got "
-                        f"{input_layouts!r}")
-    if layout is not None and layout not in (Shard(dim), Replicate()):
-        raise HaloError(f"{style} takes output_layouts=Shard({dim}), Replicate() or None, "
-                        f"got {layout!r}")
-
-
-def install(module: nn.Module, forward: Any) -> HaloHandle:
-    """Replace `module.forward` by `forward` (an object with `previous` and `name`
-    attributes, which this sets); the returned handle (also `halo_handles(model)`) restores
-    exactly the forward it replaced.
-
-    Raises:
-        HaloError: when a haloshard style is already applied to the module.
-    """
-    if handle_of(module) is not None:
-        raise HaloError(f"a haloshard style is already applied to {type(module).__name__}; "
-                        "call its handle's remove() first")
-    forward.previous = module.__dict__.get("forward")
-    forward.name = module_name(module)
-    module.forward = forward
-    handle = HaloHandle(module, {}, forward.previous)
-    setattr(module, _HANDLE, handle)
-    return handle
-
-
-def handle_of(module: nn.Module) -> HaloHandle | None:
-    """The handle of the halo attached to `module`, or None."""
-    found = module.__dict__.get(_HANDLE)
-    return found if isinstance(found, HaloHandle) else None
 
 
 def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *,
@@ -356,30 +203,27 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
     return handle
 
 
-class _HaloForward:
-    """The module's forward with its halo; an object (not a closure) so that deep copies of
-    the model get a forward bound to the copy, not to the original."""
+class _HaloForward(ShardedForward):
+    """The strategy of a layer with a halo: exchange, run the module on its window (or as
+    `halo_conv`), keep this rank's outputs (see the module docstring)."""
+
+    copied = ("module", "saved", "previous")
 
     def __init__(self, module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None,
                  saved: dict[str, Any], previous: Callable[..., Any] | None, *,
                  overlap: bool | None = None, watch: bool = False, name: str = "",
                  local: LocalRun | None = None) -> None:
-        self.module, self.annotation, self.mesh = module, annotation, mesh
-        self.saved, self.previous, self.overlap = saved, previous, overlap
-        self.watch, self.name, self.local = watch, name or type(module).__name__, local
+        super().__init__(module, annotation.dim, mesh)
+        self.annotation, self.saved, self.previous = annotation, saved, previous
+        self.overlap, self.watch, self.local = overlap, watch, local
+        self.name = name or type(module).__name__
+        self.fresh()
+
+    def fresh(self) -> None:
         # Agreements of earlier calls, by global signature: a layer validates its arguments
         # on every rank once per input signature, later calls issue no metadata collective.
         self.agreed: dict[Any, Any] = {}
         self.chosen: dict[Any, bool] = {}  # overlap or not, by global input signature
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _HaloForward:
-        # The mesh is shared, never copied: it names process groups.
-        new = copy.copy(self)
-        new.module = copy.deepcopy(self.module, memo)
-        new.saved = copy.deepcopy(self.saved, memo)
-        new.previous = copy.deepcopy(self.previous, memo)
-        new.agreed, new.chosen = {}, {}
-        return new
 
     def reuse(self, site: _Site) -> Reuse:
         """This layer's store and the call's global signature: the same on every rank
@@ -388,24 +232,10 @@ class _HaloForward:
         return self.agreed, (site.shape, x.dtype, x.requires_grad, torch.is_grad_enabled(),
                              site.placements, id(site.mesh), site.axis)
 
-    def original(self, *args: Any, **kwargs: Any) -> Any:
-        if self.previous is not None:
-            return self.previous(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if _INSIDE.get():
-            # The enclosing halo module already supplied this module's halo.
-            with _swapped(self.module, self.saved):
-                return self.original(x, *args, **kwargs)
-        # Collectives that time out waiting for another rank name this module.
-        label, _comm.current_label = _comm.current_label, self.name
-        try:
-            return self.sharded(x, *args, **kwargs)
-        except HaloError as error:
-            raise named(error, self.name) from error
-        finally:
-            _comm.current_label = label
+    def inside(self, *args: Any, **kwargs: Any) -> Any:
+        # The module's own padding is back for the enclosing window.
+        with _swapped(self.module, self.saved):
+            return self.original(*args, **kwargs)
 
     def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         annotation = self.annotation

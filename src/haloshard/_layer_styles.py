@@ -27,9 +27,7 @@ handle that `halo_handles(model)` returns, like a halo.
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -42,7 +40,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
-from haloshard import _comm, _segments
+from haloshard import _segments
 from haloshard._attention import gather_many
 from haloshard._compat import (
     LocalTensor,
@@ -52,11 +50,17 @@ from haloshard._compat import (
     tree_flatten,
     tree_unflatten,
 )
-from haloshard._errors import HaloError, named
+from haloshard._errors import HaloError
+from haloshard._forward import INSIDE as _INSIDE
+from haloshard._forward import (
+    ShardedForward,
+    check_layouts,
+    install,
+    names_errors,
+    output_layouts,
+)
 from haloshard._hooks import (
-    _INSIDE,
     Annotation,
-    HaloHandle,
     LocalRun,
     _dtensor_site,
     _HaloForward,
@@ -64,10 +68,6 @@ from haloshard._hooks import (
     _Site,
     _site,
     attach,
-    check_layouts,
-    install,
-    names_errors,
-    output_layouts,
     rewrap,
 )
 from haloshard._layout import HaloShard, PadMode, shard_sizes
@@ -86,37 +86,14 @@ _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 # ---------------------------------------------------------------- local forward machinery
-def _install(module: nn.Module, forward: _LocalForward) -> HaloHandle:
-    """Replace `module.forward` by `forward`; the handle restores it (as a halo's does)."""
-    return install(module, forward)
+class _LocalForward(ShardedForward):
+    """The strategy of a per-slice module: it runs on the local chunk of a `Shard(dim)`
+    input. DTensor in: the output comes back as a DTensor on the input's mesh and
+    placements with the input's global length along `dim`. Plain chunk in: plain chunk
+    out, the group is the 1-D mesh given at `_apply`. Inside a halo module's window local
+    ops pass through; anything with global statistics raises (see subclasses)."""
 
-
-class _LocalForward:
-    """A module's forward run on the local chunk of a `Shard(dim)` input.
-
-    DTensor in: the chunk goes through the module (`local`), the output comes back as a
-    DTensor on the input's mesh and placements with the input's global length along `dim`.
-    Plain chunk in: plain chunk out, the group is the 1-D mesh given at `_apply`.
-    An object rather than a closure, so deep copies of the model rebind to the copy.
-    """
-
-    previous: Callable[..., Any] | None = None
     style = "LocalParallel"
-    name = ""
-
-    def __init__(self, module: nn.Module, dim: int, mesh: DeviceMesh | None) -> None:
-        self.module, self.dim, self.mesh = module, dim, mesh
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _LocalForward:
-        new = copy.copy(self)  # the mesh is shared, never copied: it names process groups
-        new.module = copy.deepcopy(self.module, memo)
-        new.previous = copy.deepcopy(self.previous, memo)
-        return new
-
-    def original(self, *args: Any, **kwargs: Any) -> Any:
-        if self.previous is not None:
-            return self.previous(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
 
     def site(self, x: torch.Tensor) -> _Site:
         if isinstance(x, DTensor):
@@ -141,20 +118,6 @@ class _LocalForward:
         _check_same_length(y.shape[self.dim], x.shape[self.dim], self.style, self.dim)
         return y.narrow(self.dim, 0, n) if x is not site.local else y
 
-    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if _INSIDE.get():
-            # Inside a halo module the input is a window, not a shard: local ops pass
-            # through, anything with global statistics would be wrong (see subclasses).
-            return self.inside(x, *args, **kwargs)
-        # Collectives that time out waiting for another rank name this module.
-        label, _comm.current_label = _comm.current_label, self.name or type(self.module).__name__
-        try:
-            return self.sharded(x, *args, **kwargs)
-        except HaloError as error:
-            raise named(error, self.name or type(self.module).__name__) from error
-        finally:
-            _comm.current_label = label
-
     def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         site = self.site(x)
         y = self.local(site, *args, **kwargs)
@@ -162,10 +125,6 @@ class _LocalForward:
             raise HaloError(f"{self.style} expects the module to return one plain tensor "
                             f"from its local forward, got {type(y).__name__}")
         return rewrap(y, site, self.dim, site.length)
-
-    def inside(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return self.original(x, *args, **kwargs)
-
 
 def _equal_chunks(x: torch.Tensor, dim: int, site: _Site) -> torch.Tensor:
     """Under simulated ranks, every rank's chunk zero-padded to the longest (at least one
@@ -253,7 +212,7 @@ class LocalParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module)
-        _install(module, self.forward_type(module, self.dim, device_mesh))
+        install(module, self.forward_type(module, self.dim, device_mesh))
         output_layouts(module, self.dim, self.output_layouts, self.use_local_output)
         return module
 
@@ -727,7 +686,7 @@ def _plain(t: object) -> bool:
 class _ReplicatedArgsForward(_LocalForward):
     style = "ReplicatedArgsParallel"
 
-    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(x, DTensor):
             return self.original(x, *args, **kwargs)  # plain chunks: nothing is mixed
         site = _dtensor_site(x, self.dim)

@@ -19,15 +19,17 @@ from torch.distributed.tensor.placement_types import Placement
 
 from haloshard import _comm
 from haloshard._errors import HaloError
-from haloshard._hooks import (
+from haloshard._forward import (
     HaloHandle,
-    LocalRun,
-    annotation_of,
-    attach,
     check_layouts,
     handle_of,
     names_errors,
     output_layouts,
+)
+from haloshard._hooks import (
+    LocalRun,
+    annotation_of,
+    attach,
     resolve,
 )
 from haloshard._layout import HaloShard

@@ -57,13 +57,16 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from haloshard import _segments
 from haloshard._attention import gather_along
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
-from haloshard._errors import HaloError, named
+from haloshard._errors import HaloError
+from haloshard._forward import (
+    ShardedForward,
+    install,
+    names_errors,
+)
 from haloshard._hooks import (
     Annotation,
     _dtensor_site,
     attach,
-    install,
-    names_errors,
 )
 from haloshard._layer_styles import (
     CausalConvParallel,
@@ -184,44 +187,11 @@ class HunyuanUpsampleParallel(ParallelStyle):
         return module
 
 
-# ---------------------------------------------------------------- forwards of the styles here
-class _Forward:
-    """A module's replacement forward (`_install`): an object, not a closure, so deep copies
-    of the model rebind to the copy; HaloErrors name the module by its fqn."""
-
-    name = ""
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Forward:
-        import copy
-
-        new = copy.copy(self)
-        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()
-                             if k not in ("dim", "name")})
-        return new
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self.run(*args, **kwargs)
-        except HaloError as error:
-            raise named(error, self.name) from error
-
-    def run(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-
-def _install(module: nn.Module, forward: _Forward) -> None:
-    """Replace `module.forward` by `forward`; the handle (`halo_handles`) restores it."""
-    install(module, forward)
-
-
 # ---------------------------------------------------------------- HunyuanVideo mid-block
-class _MidBlockForward(_Forward):
+class _MidBlockForward(ShardedForward):
     """The mid-block's forward on a `Shard(T)` DTensor."""
 
-    def __init__(self, module: nn.Module, dim: int) -> None:
-        self.module, self.dim = module, dim
-
-    def run(self, x: torch.Tensor) -> torch.Tensor:
+    def sharded(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, DTensor):
             raise HaloError(f"HunyuanMidBlockParallel needs a Shard({self.dim}) DTensor input, "
                             f"got {type(x).__name__}")
@@ -313,19 +283,16 @@ class HunyuanMidBlockParallel(ParallelStyle):
         for i, attn in enumerate(module.attentions):
             if attn is not None:
                 _check_attention(attn, f"attentions.{i}")
-        _install(module, _MidBlockForward(module, self.dim))
+        install(module, _MidBlockForward(module, self.dim))
         return module
 
 
 
 # ---------------------------------------------------------------- CogVideoX spatial norm
-class _SpatialNormForward(_Forward):
+class _SpatialNormForward(ShardedForward):
     """`CogVideoXSpatialNorm3D.forward(f, zq)` on `Shard(T)` DTensors f and zq."""
 
-    def __init__(self, module: nn.Module, dim: int) -> None:
-        self.module, self.dim = module, dim
-
-    def run(self, f: torch.Tensor, zq: torch.Tensor,
+    def sharded(self, f: torch.Tensor, zq: torch.Tensor,
             conv_cache: dict[str, Any] | None = None) -> tuple[DTensor, dict[str, Any]]:
         if not isinstance(f, DTensor) or not isinstance(zq, DTensor) or conv_cache:
             raise HaloError(f"CogSpatialNormParallel needs Shard({self.dim}) DTensors f and zq "
@@ -405,20 +372,17 @@ class CogSpatialNormParallel(ParallelStyle):
             if tuple(conv.kernel_size) != (1, 1, 1) or tuple(conv.stride) != (1, 1, 1):
                 raise HaloError(f"CogSpatialNormParallel expects 1x1x1 convs, {name} has "
                                 f"kernel {conv.kernel_size}, stride {conv.stride}")
-        _install(module, _SpatialNormForward(module, self.dim))
+        install(module, _SpatialNormForward(module, self.dim))
         return module
 
 
 # ---------------------------------------------------------------- Mochi
-class _MochiBlockForward(_Forward):
+class _MochiBlockForward(ShardedForward):
     """`MochiDownBlock3D` / `MochiMidBlock3D` forward on a `Shard(T)` DTensor: conv_in and
     resnets through their plan entries, each attention as `frame_attention` along T per
     pixel (causal)."""
 
-    def __init__(self, module: nn.Module, dim: int) -> None:
-        self.module, self.dim = module, dim
-
-    def run(self, x: torch.Tensor, conv_cache: dict[str, Any] | None = None,
+    def sharded(self, x: torch.Tensor, conv_cache: dict[str, Any] | None = None,
             chunk_size: int = 2**15) -> tuple[DTensor, dict[str, Any]]:
         if not isinstance(x, DTensor) or conv_cache:
             raise HaloError(f"MochiBlockParallel needs a Shard({self.dim}) DTensor input and no "
@@ -509,7 +473,7 @@ class MochiBlockParallel(ParallelStyle):
         for i, attn in enumerate(module.attentions):
             if attn is not None:
                 _check_mochi_attention(attn, f"attentions.{i}")
-        _install(module, _MochiBlockForward(module, self.dim))
+        install(module, _MochiBlockForward(module, self.dim))
         return module
 
 
@@ -551,13 +515,16 @@ class _MochiExpand(nn.Module):
         return h.reshape(b, -1, t * self.st, height * self.s, width * self.s)
 
 
-class _MochiUpForward(_Forward):
+class _MochiUpForward(ShardedForward):
     """`MochiUpBlock3D.forward`: resnets through their entries, then `_MochiExpand`."""
 
-    def __init__(self, module: nn.Module, expand: nn.Module) -> None:
-        self.module, self.expand = module, expand
+    copied = ("module", "previous", "expand")
 
-    def run(self, x: torch.Tensor, conv_cache: dict[str, Any] | None = None
+    def __init__(self, module: nn.Module, expand: nn.Module) -> None:
+        super().__init__(module, 2)
+        self.expand = expand
+
+    def sharded(self, x: torch.Tensor, conv_cache: dict[str, Any] | None = None
             ) -> tuple[torch.Tensor, dict[str, Any]]:
         if conv_cache:
             raise HaloError("MochiUpBlockParallel runs without a conv_cache, got one")
@@ -589,7 +556,7 @@ class MochiUpBlockParallel(ParallelStyle):
         expand = _MochiExpand(module)
         attach(expand, Annotation(None, self.dim, RepeatStencil(module.temporal_expansion)),
                device_mesh)
-        _install(module, _MochiUpForward(module, expand))
+        install(module, _MochiUpForward(module, expand))
         return module
 
 
