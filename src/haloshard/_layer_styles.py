@@ -70,9 +70,10 @@ from haloshard._hooks import (
     attach,
     rewrap,
 )
-from haloshard._layout import HaloShard, PadMode, shard_sizes
+from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
 from haloshard._norms import group_norm
 from haloshard._specs import (
+    _CONVS,
     DERIVABLE,
     ConvStencil,
     ResampleStencil,
@@ -81,8 +82,6 @@ from haloshard._specs import (
     derive_stencil,
     spatial_index,
 )
-
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 # ---------------------------------------------------------------- local forward machinery
@@ -132,15 +131,10 @@ def _equal_chunks(x: torch.Tensor, dim: int, site: _Site) -> torch.Tensor:
     `unflatten(0, (B, -1))`, per-frame attention) cannot run on per-rank lengths. The
     padding slices' outputs touch no real slice and are dropped."""
     longest = max(1, shard_sizes(site.length, site.mesh.size(site.axis))[0])
-    x = F.pad(x, [0, 0] * (x.ndim - 1 - dim) + [0, _lack_of(x.shape[dim], longest)])
+    x = F.pad(x, [0, 0] * (x.ndim - 1 - dim) + [0, lack(x.shape[dim], longest)])
     # a fresh tensor of the padded shape: the pad's own strides may stay per-rank
     shape = (*x.shape[:dim], longest, *x.shape[dim + 1 :])
     return torch.empty(shape, dtype=x.dtype, device=x.device).copy_(x)
-
-
-@maybe_run_for_local_tensor
-def _lack_of(n: int, longest: int) -> int:
-    return longest - n
 
 
 @maybe_run_for_local_tensor

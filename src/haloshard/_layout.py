@@ -13,6 +13,7 @@ from typing import Literal
 
 from torch.distributed.tensor.placement_types import Placement, Shard
 
+from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError
 
 PadMode = Literal["zeros", "replicate", "reflect", "circular"]
@@ -174,3 +175,10 @@ class HaloShard(Placement):
             padded_source(first + i, length, self.pad)
             for i in range(size + self.left + self.right)
         ]
+
+
+@maybe_run_for_local_tensor
+def lack(n: int, longest: int) -> int:
+    """Slices a chunk of `n` lacks to `longest` (per simulated rank): what pads every
+    rank's chunk to one length where a kernel cannot take per-rank lengths."""
+    return longest - n

@@ -22,7 +22,7 @@ from haloshard._attention import gather_along
 from haloshard._comm import Group, GroupLike, resolve_group
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
-from haloshard._layout import shard_size_and_offset, shard_sizes
+from haloshard._layout import lack, shard_size_and_offset, shard_sizes
 
 
 @maybe_run_for_local_tensor
@@ -81,12 +81,6 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gr
     if frames is not None:
         k, v = k.narrow(-3, 0, frames), v.narrow(-3, 0, frames)
     return _attend(q, k, v, group, grp, global_length, causal, scale, frames is not None)
-
-
-@maybe_run_for_local_tensor
-def lack(n: int, longest: int) -> int:
-    """Frames a chunk of `n` lacks to `longest` (per simulated rank)."""
-    return longest - n
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike, grp: Group,

@@ -33,10 +33,9 @@ from haloshard._hooks import (
     resolve,
 )
 from haloshard._layout import HaloShard
-from haloshard._specs import DERIVABLE, Stencil, is_stencil, spatial_index
+from haloshard._specs import _CONVS, _TRANSPOSED, DERIVABLE, Stencil, is_stencil, spatial_index
 
-_PLAIN_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-                nn.ConvTranspose3d)
+_PLAIN_CONVS = _CONVS + _TRANSPOSED
 
 
 class HaloParallel(ParallelStyle):

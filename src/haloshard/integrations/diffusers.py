@@ -75,8 +75,8 @@ from haloshard._layer_styles import (
     LocalParallel,
     ReplicatedArgsParallel,
 )
-from haloshard._layout import HaloShard, PadMode, shard_size_and_offset, shard_sizes
-from haloshard._masked_attention import frame_attention, lack
+from haloshard._layout import HaloShard, PadMode, lack, shard_size_and_offset, shard_sizes
+from haloshard._masked_attention import frame_attention
 from haloshard._norms import group_norm
 from haloshard._styles import HaloParallel
 from haloshard.integrations._cogvideox import cogvideox_decode, cogvideox_encode
