@@ -276,8 +276,8 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
         module: the module, already validated into `annotation` by `resolve`.
         annotation: its halo.
         mesh: used for plain-tensor inputs (1-D); DTensor inputs bring their own mesh.
-        overlap: run stride-1 convs that keep the length as `halo_conv`, which computes the
-            interior while the halo is in flight; False exchanges first; None chooses per
+        overlap: run stride-1 convs that keep the length as `halo_conv`, which convolves
+            the chunk while the halo is in flight; False exchanges first; None chooses per
             input signature (see `_HaloForward.overlaps`).
         local: how the module runs on its window, `local(forward, window, *args, **kwargs)`;
             None calls `forward(window, *args, **kwargs)`.
@@ -389,13 +389,14 @@ class _HaloForward:
             _INSIDE.reset(token)
 
     def overlaps(self, site: _Site, plan: WindowPlan, reuse: Reuse) -> bool:
-        """Whether this call runs the conv as `halo_conv` (interior while the halo travels)
-        or exchanges first: as given, or (`overlap=None`) decided once per global input
-        signature. Where both can be timed (eager c10d, not deterministic mode), each runs
-        its forward twice and the faster is kept, as `cudnn.benchmark` does:
-        on CPU no engine moves the halo beside the conv and which split oneDNN runs faster
-        depends on the shape. Elsewhere (compiled, simulated, deterministic) it overlaps.
-        Every rank takes the same choice (one small gather of the timings, once)."""
+        """Whether this call runs the conv as `halo_conv` (the chunk's own conv while the halo
+        travels, boundary corrections once it arrives) or exchanges first: as given, or
+        (`overlap=None`) decided once per global input signature. Where both can be timed
+        (eager c10d, not deterministic mode), each runs its forward twice and the faster is
+        kept, as `cudnn.benchmark` does: on CPU no engine moves the halo beside the conv,
+        and which formulation oneDNN runs faster depends on the shape. Elsewhere (compiled,
+        simulated, deterministic) it overlaps. Every rank takes the same choice (one small
+        gather of the timings, once)."""
         if self.overlap is not None:
             return self.overlap
         x = site.local
@@ -428,25 +429,32 @@ class _HaloForward:
 
 
 def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan) -> bool:
-    """A derived, stride-1, length-keeping conv running torch's own forward, whose other dims
-    need no F.pad: its window is exactly the halo exchange's output, so `halo_conv` can run
-    it. A subclass with its own forward always runs that forward."""
+    """A derived, stride-1, length-keeping conv running torch's own forward: its window is
+    exactly the halo exchange's output, so `halo_conv` can run it. A subclass with its own
+    forward always runs that forward."""
     if (not isinstance(module, _CONVS) or annotation.spec is not None
             or isinstance(module.padding, str)):
         return False
-    si, stencil = annotation.dim - 2, annotation.stencil
-    zero_other = all(p == 0 for i, p in enumerate(module.padding) if i != si)
+    stencil = annotation.stencil
     return (isinstance(stencil, ConvStencil) and stencil.stride == 1 and stencil.fill is None
-            and plan.out_length == plan.length and plan.left + plan.right == stencil.span - 1
-            and (module.padding_mode == "zeros" or zero_other))
+            and plan.out_length == plan.length and plan.left + plan.right == stencil.span - 1)
 
 
 def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
                      annotation: Annotation, reuse: Reuse) -> torch.Tensor:
-    """The conv as `halo_conv`: its interior is computed while the halo travels."""
-    return halo_conv(site.local, module.weight, module.bias, dim=annotation.dim,
+    """The conv as `halo_conv`: the chunk's own conv runs while the halo travels.
+
+    A padding mode other than zeros pads the other dims first, as the module's own forward
+    does (its padding along `dim` is 0 while the halo is attached): each slice is padded
+    alone, so its halo copies arrive padded alike, and the exchange pads `dim` in that mode.
+    """
+    x, padding = site.local, module.padding
+    if module.padding_mode != "zeros" and any(padding):
+        x = F.pad(x, [w for p in reversed(padding) for w in (p, p)], mode=module.padding_mode)
+        padding = (0,) * len(padding)
+    return halo_conv(x, module.weight, module.bias, dim=annotation.dim,
                      left=plan.left, right=plan.right, group=(site.mesh, site.axis),
-                     stride=module.stride, padding=module.padding, dilation=module.dilation,
+                     stride=module.stride, padding=padding, dilation=module.dilation,
                      groups=module.groups, pad=annotation.stencil.pad,
                      global_length=plan.length, _reuse=reuse)
 
