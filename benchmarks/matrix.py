@@ -9,7 +9,8 @@ after an untimed warm-up round; the median of --iters per contender, the slowest
 Columns, per shape (time over the floor's):
 - `default`: `HaloParallel()`: the faster of the two below, picked by timing both once at
   the layer's first call (the untimed warm-up round here);
-- `overlap`: `HaloParallel(overlap=True)`: `halo_conv`, the interior while the halo travels;
+- `overlap`: `HaloParallel(overlap=True)`: `halo_conv`, the chunk's own conv while the halo
+  travels, then boundary corrections (equal halos; a causal wrapper always exchanges first);
 - `no ovl`: `HaloParallel(overlap=False)`: exchange first, then the layer;
 - `dflt/best`: the default over the faster of the two in this run;
 - `sent / halo`: bytes the rank sent in all-to-alls per step over the halo bytes it owes

@@ -5,8 +5,9 @@ the same call, zero padding `p = left = right` along `dim` (same kernel, same FL
 the halo arrives, the outputs that read it get boundary corrections added in place: for
 output `o` and tap `j` whose input lies in the halo, the conv of that one halo slice with
 the weight's slice at tap `j` (kernel 1 along `dim`, no bias). Backward is the chunk conv's
-own backward plus the corrections' adjoints; the halo gradients travel back to their owners
-while the chunk conv's input and weight gradients are computed.
+own backward, then the corrections' adjoints; the halo gradients travel back to their owners
+while the corrections' weight gradients are computed. Beside the chunk conv's own memory,
+forward and backward, this keeps only the halo (and, in forward, its transport buffers).
 
 Halos of unequal sides (causal) cannot be a conv's own padding: their outputs are split into
 an interior conv and two thin edge windows, concatenated. Chunks shorter than the kernel's
@@ -146,13 +147,15 @@ class _CorrectedConv(torch.autograd.Function):
         x, weight, halo = ctx.saved_tensors
         args, move, mask = ctx.args, ctx.move, tuple(ctx.needs_input_grad[:3])
         corrections = ctx.corrections
-        # Every rank agrees on requires_grad (the exchange's agreement), so all or none of
-        # them send halo gradients back; they travel while the chunk's conv runs backward.
-        if mask[0]:
-            moved, g_own = move.start_backward(corrections.input_grad(grad, halo, weight), 0)
+        # The chunk conv's backward first, exactly the floor's, with nothing of ours beside
+        # it but the halo; then the corrections', while the halo gradients travel back.
         g_x, g_w, g_b = args.full_backward(grad, x, weight, args.own_padding, mask,
                                            ctx.bias_sizes)
-        if mask[1]:  # after the conv's own: no tap's weight gradient waits beside it
+        # Every rank agrees on requires_grad (the exchange's agreement), so all or none of
+        # them send halo gradients back.
+        if mask[0]:
+            moved, g_own = move.start_backward(corrections.input_grad(grad, halo, weight), 0)
+        if mask[1]:
             corrections.add_weight_grad(g_w, grad, halo, weight)
         if mask[0]:
             move.fold(g_x, moved, g_own)

@@ -48,11 +48,11 @@ class HaloParallel(ParallelStyle):
             length-preserving module, e.g. a causal wrapper that pads T with `F.pad` itself;
             a stencil (`haloshard._specs`) describes a module that changes the length.
         dim: the sharded dim of the module's input.
-        overlap: run a stride-1 conv that keeps the length as `halo_conv` (its interior is
-            computed while the halo travels); False exchanges first, then runs the module;
-            None (the default) picks the faster of the two once per input signature by
-            timing both forwards at the layer's first call with it (as
-            `cudnn.benchmark` does; the first step pays for it), and overlaps where they
+        overlap: run a stride-1 conv that keeps the length as `halo_conv` (the chunk's own
+            conv runs while the halo travels, boundary corrections follow); False exchanges
+            first, then runs the module; None (the default) picks the faster of the two once
+            per input signature by timing both forwards at the layer's first call with it
+            (as `cudnn.benchmark` does; the first step pays for it), and overlaps where they
             cannot be timed (compiled or simulated, or under
             `torch.use_deterministic_algorithms`). Both are exact. A conv subclass with a
             forward of its own always runs that forward.
