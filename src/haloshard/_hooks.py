@@ -46,7 +46,7 @@ from haloshard import _comm
 from haloshard._conv import halo_conv
 from haloshard._errors import HaloError, named
 from haloshard._exchange import Reuse, exchange
-from haloshard._layout import HaloShard, check_pad_fits, shard_size_and_offset
+from haloshard._layout import HaloShard, check_pad_fits, shard_size_and_offset, shard_sizes
 from haloshard._specs import (
     _CONVS,
     _TRANSPOSED,
@@ -368,7 +368,7 @@ class _HaloForward:
         plan = plan_windows(annotation.stencil, site.length, site.mesh.size(site.axis),
                             uniform=enabled_local_tensor_mode() is not None)
         reuse = self.reuse(site)
-        if (self.overlap is not False and _overlappable(self.module, annotation, plan)
+        if (self.overlap is not False and _overlappable(self.module, annotation, plan, site)
                 and self.overlaps(site, plan, reuse)):
             y = _overlapped_conv(self.module, site, plan, annotation, reuse)
         else:
@@ -428,16 +428,20 @@ class _HaloForward:
         return sum(r[0] for r in rows) <= sum(r[1] for r in rows)
 
 
-def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan) -> bool:
+def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan, site: _Site
+                  ) -> bool:
     """A derived, stride-1, length-keeping conv running torch's own forward: its window is
     exactly the halo exchange's output, so `halo_conv` can run it. A subclass with its own
-    forward always runs that forward."""
+    forward always runs that forward. With a padding mode other than zeros on the other
+    dims every chunk must hold a slice (`F.pad` refuses to pad an empty one that way)."""
     if (not isinstance(module, _CONVS) or annotation.spec is not None
             or isinstance(module.padding, str)):
         return False
     stencil = annotation.stencil
+    padded = module.padding_mode != "zeros" and any(module.padding)
     return (isinstance(stencil, ConvStencil) and stencil.stride == 1 and stencil.fill is None
-            and plan.out_length == plan.length and plan.left + plan.right == stencil.span - 1)
+            and plan.out_length == plan.length and plan.left + plan.right == stencil.span - 1
+            and not (padded and min(shard_sizes(site.length, site.mesh.size(site.axis))) == 0))
 
 
 def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
@@ -452,6 +456,9 @@ def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
     if module.padding_mode != "zeros" and any(padding):
         x = F.pad(x, [w for p in reversed(padding) for w in (p, p)], mode=module.padding_mode)
         padding = (0,) * len(padding)
+        # Its own agreement: the padded chunk's sizes differ from the exchange-first
+        # window's, and it needs no gradient when padded under no_grad (a timing trial).
+        reuse = (reuse[0], (reuse[1], "padded", x.requires_grad))
     return halo_conv(x, module.weight, module.bias, dim=annotation.dim,
                      left=plan.left, right=plan.right, group=(site.mesh, site.axis),
                      stride=module.stride, padding=padding, dilation=module.dilation,
