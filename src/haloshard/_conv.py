@@ -125,6 +125,7 @@ class _CorrectedConv(torch.autograd.Function):
     Backward: `g_x (T_r) = conv's g_x (T_r) + owners' share of g_h (2p)`, where
     `g_h[s] += conv_input_grad(g_y[o], W[:, :, t])`; `g_W = conv's g_W (k along T)` with
     `g_W[:, :, t] += conv_weight_grad(g_y[o], h[s])` added in place; `g_b` is the conv's.
+    (A conv1d computes the same sums for both edges in one conv: `_EdgeWindows`.)
     """
 
     @staticmethod
