@@ -5,7 +5,8 @@ float32 input sharded on T, a kernel-3 conv3d (128 -> 128 channels, padding 1 on
 forward + backward, and prints side by side (median of --iters):
 
 - `local`: the conv on the rank's own shard padded locally (no communication: the floor);
-- `haloshard`: `halo_conv`, the interior conv computed while the halo travels (default);
+- `haloshard`: `halo_conv`, the chunk's own conv while the halo travels, then boundary
+  corrections (default);
 - `no overlap`: `halo_conv(overlap=False)`: the whole halo first, then one conv;
 - `exchange+conv`: `halo_exchange` (default transport) first, then `F.conv3d`;
 - `naive`: all-gather T, convolve the whole tensor, keep the own slice (for contrast);

@@ -1,7 +1,9 @@
-"""halo_conv (interior computed while the halo travels) against the single-device conv.
+"""halo_conv (convolving while the halo travels) against the single-device conv.
 
-The split path runs the same conv arithmetic on three windows instead of one tensor; a
-blocked CPU kernel may round differently, so float64 results get 1e-12. Weight and bias
+Every formulation sums the single-device conv's products in another order: the corrected
+path adds the halo taps after the chunk's own conv has summed the others, the split path
+runs three windows instead of one tensor, and a blocked CPU kernel may round differently,
+so float64 results get 1e-12 (the data moves themselves are exact). Weight and bias
 gradients are per-rank partial sums, summed over ranks before comparing (reordered sums).
 """
 
@@ -11,12 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh
 
 from haloshard import HaloError
-from haloshard._conv import halo_conv
+from haloshard._conv import CORRECTED, SPLIT, halo_conv, halo_taps
 from haloshard.testing import (
     assert_close_per_rank,
+    check_module,
     rank_map,
     reference_pad,
     shard,
@@ -37,12 +42,23 @@ CASES = [
     (4, 5, 3, 1, 1, 1, "reflect", 1, True, True),      # chunks shorter than the kernel
     (3, 2, 3, 1, 1, 1, "zeros", 1, True, True),        # an empty chunk on 3+ ranks
     (3, 3, 1, 1, 0, 0, "zeros", 1, True, True),        # kernel 1: no halo (empty on 4 ranks)
+    # equal halos: the chunk's own conv plus boundary corrections, where chunks allow
+    (3, 23, 5, 1, 2, 2, "replicate", 4, True, True),   # depthwise conv1d, k5 centred
+    (4, 19, 3, 2, 2, 2, "circular", 2, True, True),    # dilated, grouped conv2d
+    (5, 13, 3, 1, 1, 1, "replicate", 1, True, True),   # conv3d, replicate
+    (4, 9, 3, 1, 1, 1, "reflect", 1, False, True),     # chunks as long as the reach
+    (3, 7, 5, 1, 2, 2, "zeros", 1, True, True),        # reach 4: exchange first on 2+ ranks
 ]
+# The formulation each path's backward node names (which one ran).
+NODES = {"_CorrectedConvBackward": CORRECTED, "_HaloConvBackward": "split or whole"}
 
 
 def case_conv(mesh: DeviceMesh, ndim: int, length: int, kernel: int, dilation: int,
               left: int, right: int, pad: str, groups: int, bias: bool, overlap: bool,
-              transport: str | None = None) -> None:
+              transport: str | None = None, path: str | None = None, x_grad: bool = True
+              ) -> str:
+    """Forward and every gradient against the single-device conv; returns the name of the
+    backward node that ran (see NODES)."""
     world = mesh.size()
     conv = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[ndim]
     spatial = (length, 5, 4)[: ndim - 2]
@@ -59,31 +75,41 @@ def case_conv(mesh: DeviceMesh, ndim: int, length: int, kernel: int, dilation: i
                    padding=other, dilation=dil, groups=groups)
         upstream = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
         (ref * upstream).sum().backward()
-    x = rank_map(mesh, lambda r: shard(full, 2, world, r).clone()).requires_grad_()
+    x = rank_map(mesh, lambda r: shard(full, 2, world, r).clone()).requires_grad_(x_grad)
     wl = w.clone().requires_grad_()
     bl = b.clone().requires_grad_() if b is not None else None
     y = halo_conv(x, wl, bl, dim=2, left=left, right=right, group=mesh, padding=other,
-                  dilation=dil, groups=groups, pad=pad, overlap=overlap, transport=transport)
+                  dilation=dil, groups=groups, pad=pad, overlap=overlap, transport=transport,
+                  _path=path)
     (y * rank_map(mesh, lambda r: shard(upstream, 2, world, r))).sum().backward()
     assert_close_per_rank(y, lambda r: shard(ref.detach(), 2, world, r), mesh, **TOL)
-    assert_close_per_rank(x.grad, lambda r: shard(refs[0].grad, 2, world, r), mesh, **TOL)
+    if x_grad:
+        assert_close_per_rank(x.grad, lambda r: shard(refs[0].grad, 2, world, r), mesh,
+                              **TOL)
+    else:
+        assert x.grad is None
     torch.testing.assert_close(sum_over_ranks(wl.grad, mesh), refs[1].grad, **TOL)
     if bl is not None:
         torch.testing.assert_close(sum_over_ranks(bl.grad, mesh), refs[2].grad, **TOL)
+    return type(y.grad_fn).__name__
 
 
-def on_gloo() -> None:
+def on_gloo() -> set[str]:
     mesh = worker_mesh(dist.get_world_size())
-    for case in CASES:
-        case_conv(mesh, *case)
-    for transport in ("p2p", "allgather"):  # the split path over the other transports
-        case_conv(mesh, *CASES[1], transport=transport)
+    ran = {case_conv(mesh, *case) for case in CASES}
+    for transport in ("p2p", "allgather"):  # split and corrected over the other transports
+        ran.add(case_conv(mesh, *CASES[1], transport=transport))
+        ran.add(case_conv(mesh, *CASES[0], transport=transport))
+    ran.add(case_conv(mesh, *CASES[0], path=SPLIT))  # equal halos, split on request
+    ran.add(case_conv(mesh, *CASES[0], x_grad=False))  # no input gradient: none sent back
+    return ran
 
 
 @pytest.mark.gloo
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_gloo(gloo, world: int) -> None:
-    gloo(world).run(on_gloo)
+    for ran in gloo(world).run(on_gloo):
+        assert set(NODES) <= ran, ran  # both autograd Functions ran
 
 
 @pytest.mark.simulated
@@ -91,6 +117,63 @@ def test_gloo(gloo, world: int) -> None:
 def test_simulated(case: tuple) -> None:
     with simulated_mesh(3) as mesh:
         case_conv(mesh, *case)
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize("path", [CORRECTED, SPLIT])
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_simulated_paths(path: str, x_grad: bool) -> None:
+    """Equal halos, each overlapped formulation, with and without an input gradient."""
+    with simulated_mesh(3) as mesh:
+        ran = case_conv(mesh, *CASES[0], path=path, x_grad=x_grad)
+    assert NODES[ran] == (CORRECTED if path == CORRECTED else "split or whole"), ran
+
+
+@st.composite
+def conv_problems(draw: st.DrawFn) -> tuple[int, ...]:
+    """A `case_conv` problem: rank, length, kernel, dilation, centred or causal halo, edge
+    mode, groups, bias, and a world size. Lengths reach a few times the halo per rank, so
+    chunks both shorter and longer than the reach come up."""
+    ndim, k, dilation = draw(st.integers(3, 5)), draw(st.integers(2, 5)), draw(
+        st.integers(1, 3))
+    world = draw(st.integers(1, 4))
+    reach = dilation * (k - 1)
+    left = reach // 2 if reach % 2 == 0 and draw(st.integers(0, 2)) else reach
+    pad = draw(st.sampled_from(["zeros", "replicate", "reflect", "circular"]))
+    chunk = draw(st.integers(0, 2 * reach + 1))  # then 0 .. world-1 chunks one longer
+    length = world * chunk + draw(st.integers(0, world - 1))
+    length = max(length, reach + 1 if pad == "reflect" else reach, 1)  # one device's limits
+    return (ndim, length, k, dilation, left, reach - left, pad,
+            draw(st.sampled_from([1, 2, 4])), draw(st.booleans()), True, world)
+
+
+@pytest.mark.simulated
+@settings(max_examples=40, deadline=None)
+@given(conv_problems())
+def test_fuzz_halo_conv(problem: tuple[int, ...]) -> None:
+    """Random kernels, dilations, centred or causal halos, edge modes, groups, lengths and
+    worlds: every formulation the chunks allow, exact against one device."""
+    *case, world = problem
+    with simulated_mesh(world) as mesh:
+        event(NODES[case_conv(mesh, *case)])
+
+
+def test_halo_taps() -> None:
+    """Each boundary output reads the halo at exactly the taps a padded conv would: the
+    taps listed, and no others, for every output of a chunk `left + right` long."""
+    for left, right, dilation, k in [(1, 1, 1, 3), (2, 2, 1, 5), (2, 2, 2, 3), (3, 3, 3, 3),
+                                     (2, 2, 4, 2)]:
+        length = left + right
+        expected = set()
+        for o in range(length):
+            for t in range(k):
+                at = o + t * dilation  # index into [left halo ++ chunk ++ right halo]
+                if at < left:
+                    expected.add((o, t, at))
+                elif at >= left + length:
+                    expected.add((o - length, t, at - length))
+        assert set(halo_taps(left, right, dilation, k)) == expected
+    assert halo_taps(1, 1, 1, 3) == ((0, 0, 0), (-1, 2, 1))
 
 
 def test_bad_halo_for_kernel() -> None:
@@ -101,27 +184,27 @@ def test_bad_halo_for_kernel() -> None:
 
 
 def case_styles(mesh: DeviceMesh) -> None:
-    """HaloParallel runs a stride-1 conv as halo_conv by default, or exchange-first with
-    overlap=False; both give the single-device conv (float64, 1e-12 as above)."""
+    """HaloParallel runs a stride-1 conv as halo_conv (overlap=True; a padding mode other
+    than zeros pads the other dims by F.pad first) or exchange-first (overlap=False); both
+    give the single-device conv and its gradients (float64, 1e-12 as above)."""
     import copy
 
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     from haloshard import HaloParallel
 
-    world = mesh.size()
-    with single_device():
-        gen = torch.Generator().manual_seed(5)
-        conv = torch.nn.Conv3d(4, 6, (3, 3, 3), padding=(1, 1, 1), dtype=torch.float64)
-        full = torch.randn(2, 4, 11, 5, 4, generator=gen, dtype=torch.float64)
-        ref = conv(full)
-    for overlap in (True, False):
-        model = parallelize_module(copy.deepcopy(conv), mesh, HaloParallel(overlap=overlap))
-        y = model(distribute_tensor(full, mesh, [Shard(2)]))
-        assert isinstance(y, DTensor) and y.placements == (Shard(2),)
-        assert_close_per_rank(y.to_local(), lambda r: shard(ref.detach(), 2, world, r), mesh,
-                              **TOL)
+    for seed, mode in enumerate(("zeros", "replicate", "reflect", "circular")):
+        with single_device():
+            gen = torch.Generator().manual_seed(seed)
+            conv = torch.nn.Conv3d(4, 6, (3, 3, 3), padding=(1, 1, 1), padding_mode=mode,
+                                   dtype=torch.float64)
+            with torch.no_grad():  # the same weights on every rank
+                for param in conv.parameters():
+                    param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype))
+            full = torch.randn(2, 4, 11, 5, 4, generator=gen, dtype=torch.float64)
+        for overlap in (True, False):
+            model = parallelize_module(copy.deepcopy(conv), mesh, HaloParallel(overlap=overlap))
+            check_module(mesh, model, full, seed)
 
 
 def on_gloo_styles() -> None:

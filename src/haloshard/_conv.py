@@ -1,17 +1,24 @@
-"""A convolution along a sharded dim whose halo exchange hides behind the interior compute.
+"""A convolution along a sharded dim whose halo exchange hides behind the chunk's own conv.
 
-With the halo in flight, each rank convolves its own chunk (the interior outputs need no
-halo), then the two thin boundary windows `[left halo ++ first e-1 slices]` and
-`[last e-1 slices ++ right halo]`, where `e` is the kernel's extent along `dim`. Backward
-mirrors it: the boundary windows' input gradients go first, their halo parts start back to
-their owners, the interior's input and weight gradients are computed while they travel, and
-the halo gradients are folded in last. The arithmetic is the single-device conv's, split
-into three convs (float rounding of a blocked kernel may differ in the last bits).
+With the halo in flight, each rank runs the conv a single device would run on its chunk alone:
+the same call, zero padding `p = left = right` along `dim` (same kernel, same FLOPs). Once
+the halo arrives, the outputs that read it get boundary corrections added in place: for
+output `o` and tap `j` whose input lies in the halo, the conv of that one halo slice with
+the weight's slice at tap `j` (kernel 1 along `dim`, no bias). Backward is the chunk conv's
+own backward, then the corrections' adjoints; the halo gradients travel back to their owners
+while the corrections' weight gradients are computed. Beside the chunk conv's own memory,
+forward and backward, this keeps only the halo (and, in forward, its transport buffers).
+
+Halos of unequal sides (causal) cannot be a conv's own padding: their outputs are split into
+an interior conv and two thin edge windows, concatenated. Chunks shorter than the kernel's
+reach exchange first. In every formulation the arithmetic is the single-device conv's, summed
+in another order (float rounding may differ in the last bits).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -30,6 +37,12 @@ _conv = torch.ops.aten.convolution.default
 _conv_backward = torch.ops.aten.convolution_backward.default
 
 
+# The formulations of `halo_conv` (`_ConvArgs.path`): the chunk's own conv plus boundary
+# corrections (equal halos), an interior conv and two edge windows (unequal halos), or the
+# conv of the exchanged chunk (chunks shorter than the kernel's reach, or overlap=False).
+CORRECTED, SPLIT, WHOLE = "corrected", "split", "whole"
+
+
 @dataclass(frozen=True)
 class _ConvArgs:
     dim: int
@@ -39,7 +52,7 @@ class _ConvArgs:
     padding: list[int]
     dilation: list[int]
     groups: int
-    split: bool
+    path: str  # CORRECTED, SPLIT or WHOLE
     spare: bool  # some rank's chunk is empty: every rank convolves one spare zero slice more
 
     @property
@@ -47,19 +60,216 @@ class _ConvArgs:
         """Input slices beyond one output's own: `dilation * (kernel - 1)` along `dim`."""
         return self.left + self.right
 
-    def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-             ) -> torch.Tensor:
+    @property
+    def own_padding(self) -> list[int]:
+        """The padding of the chunk's own conv: the halo's width (`left == right`) along dim."""
+        return [self.left if i == self.dim - 2 else p for i, p in enumerate(self.padding)]
+
+    def taps(self, weight: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
+        """`(output, tap, halo slice)` for every tap that reads the halo; see `halo_taps`."""
+        return halo_taps(self.left, self.right, self.dilation[self.dim - 2],
+                         int(weight.shape[self.dim]))
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             padding: list[int] | None = None) -> torch.Tensor:
         zeros = [0] * len(self.stride)
-        return _conv(x, weight, bias, self.stride, self.padding, self.dilation, False, zeros,
-                     self.groups)
+        return _conv(x, weight, bias, self.stride, self.padding if padding is None else padding,
+                     self.dilation, False, zeros, self.groups)
 
     def backward(self, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        zeros = [0] * len(self.stride)
-        g_x, g_w, _ = _conv_backward(grad, x, weight, None, self.stride, self.padding,
-                                     self.dilation, False, zeros, self.groups,
-                                     [True, True, False])
+        g_x, g_w, _ = self.full_backward(grad, x, weight)
         return g_x, g_w
+
+    def full_backward(
+        self, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+        padding: list[int] | None = None, mask: tuple[bool, bool, bool] = (True, True, False),
+        bias_sizes: list[int] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The conv's own backward (what autograd runs for it): input, weight and bias
+        gradients, each None where `mask` does not ask for it."""
+        zeros = [0] * len(self.stride)
+        return _conv_backward(grad, x, weight, bias_sizes, self.stride,
+                              self.padding if padding is None else padding, self.dilation,
+                              False, zeros, self.groups, list(mask))
+
+
+@lru_cache(maxsize=256)
+def halo_taps(left: int, right: int, dilation: int, kernel: int
+              ) -> tuple[tuple[int, int, int], ...]:
+    """Which halo slice each boundary output reads, tap by tap, for a chunk at least
+    `left + right` long: `(output, tap, slice)`.
+
+    `output` counts from the chunk's start (`0 .. left-1`) or, negative, from its end
+    (`-right .. -1`); `slice` indexes the halo buffer `[left halo ++ right halo]`. Output `o`
+    reads the exchanged chunk at `o + tap * dilation`, so the left halo at that index when it
+    is below `left`, the right halo past the chunk's end.
+
+    Example::
+        >>> halo_taps(1, 1, 1, 3)  # centred k3: first output's tap 0, last output's tap 2
+        ((0, 0, 0), (-1, 2, 1))
+    """
+    reach = left + right
+    assert dilation * (kernel - 1) == reach, (left, right, dilation, kernel)
+    firsts = [(o, j, o + j * dilation) for o in range(left) for j in range(kernel)
+              if o + j * dilation < left]
+    lasts = [(q - right, j, left + q + j * dilation - reach) for q in range(right)
+             for j in range(kernel) if q + j * dilation >= reach]
+    return (*firsts, *lasts)
+
+
+class _CorrectedConv(torch.autograd.Function):
+    """Forward: `(B, C, T_r, ...) -> (B, O, T_r, ...)`: `y = conv(x, W, b)` with zero padding
+    `p` along T (the chunk's own conv), then `y[o] += conv(h[s], W[:, :, t])` for every
+    `(o, t, s)` of `halo_taps`, `h = (B, C, 2p, ...)` the halo.
+    Backward: `g_x (T_r) = conv's g_x (T_r) + owners' share of g_h (2p)`, where
+    `g_h[s] += conv_input_grad(g_y[o], W[:, :, t])`; `g_W = conv's g_W (k along T)` with
+    `g_W[:, :, t] += conv_weight_grad(g_y[o], h[s])` added in place; `g_b` is the conv's.
+    (A conv1d computes the same sums for both edges in one conv: `_EdgeWindows`.)
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+        move: HaloMove, args: _ConvArgs,
+    ) -> torch.Tensor:
+        moved = move.start(x)
+        y = args.conv(x, weight, bias, args.own_padding)
+        halo = _halo(x, move, moved, args)
+        corrections = _corrections(args, weight, x.shape[args.dim])
+        corrections.add(y, halo, weight)
+        ctx.save_for_backward(x, weight, halo)
+        ctx.move, ctx.args, ctx.corrections = move, args, corrections
+        ctx.bias_sizes = None if bias is None else list(bias.shape)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, weight, halo = ctx.saved_tensors
+        args, move, mask = ctx.args, ctx.move, tuple(ctx.needs_input_grad[:3])
+        corrections = ctx.corrections
+        # The chunk conv's backward first, exactly the floor's, with nothing of ours beside
+        # it but the halo; then the corrections', while the halo gradients travel back.
+        g_x, g_w, g_b = args.full_backward(grad, x, weight, args.own_padding, mask,
+                                           ctx.bias_sizes)
+        # Every rank agrees on requires_grad (the exchange's agreement), so all or none of
+        # them send halo gradients back.
+        if mask[0]:
+            moved, g_own = move.start_backward(corrections.input_grad(grad, halo, weight), 0)
+        if mask[1]:
+            corrections.add_weight_grad(g_w, grad, halo, weight)
+        if mask[0]:
+            move.fold(g_x, moved, g_own)
+        return g_x, g_w, g_b, None, None
+
+
+def _halo(x: torch.Tensor, move: HaloMove, moved: Pending, args: _ConvArgs) -> torch.Tensor:
+    """Wait for the halo: `[left halo ++ right halo]` in `x`'s memory format."""
+    shape = list(x.shape)
+    shape[args.dim] = args.reach
+    halo = empty_like_layout(x, shape)
+    move.fill(halo, x, moved, 0)
+    return halo
+
+
+def _corrections(args: _ConvArgs, weight: torch.Tensor, length: Any) -> _FrameTaps | _EdgeWindows:
+    """How the halo's contributions are computed: per tap on single frames for 2-D and 3-D
+    convs; for conv1d, whose one-position convs oneDNN runs slowly (a depthwise one costs
+    half the whole chunk's conv), one conv over both edges' zero-extended halos."""
+    if weight.ndim == 3:
+        return _EdgeWindows(args, length)
+    return _FrameTaps(args, args.taps(weight), length)
+
+
+class _FrameTaps:
+    """The corrections of a 2-D or 3-D conv, one tap at a time: `conv_{N-1}d` of one halo
+    frame with the weight's frame at that tap, the other dims as the conv has them."""
+
+    def __init__(self, args: _ConvArgs, taps: tuple[tuple[int, int, int], ...], length: Any
+                 ) -> None:
+        along = args.dim - 2
+        self.dim, self.groups, self.taps, self.length = args.dim, args.groups, taps, length
+        self.frame = [[v for i, v in enumerate(values) if i != along]
+                      for values in (args.stride, args.padding, args.dilation)]
+
+    def _conv(self, frame: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        stride, padding, dilation = self.frame
+        return _conv(frame, weight, None, stride, padding, dilation, False, [0] * len(stride),
+                     self.groups)
+
+    def _backward(self, grad: torch.Tensor, frame: torch.Tensor, weight: torch.Tensor,
+                  mask: list[bool]) -> tuple[torch.Tensor | None, ...]:
+        stride, padding, dilation = self.frame
+        return _conv_backward(grad, frame, weight, None, stride, padding, dilation, False,
+                              [0] * len(stride), self.groups, mask)
+
+    def add(self, y: torch.Tensor, halo: torch.Tensor, weight: torch.Tensor) -> None:
+        for o, t, s in self.taps:
+            y.select(self.dim, _at(o, self.length)).add_(
+                self._conv(halo.select(self.dim, s), weight.select(self.dim, t)))
+
+    def input_grad(self, grad: torch.Tensor, halo: torch.Tensor, weight: torch.Tensor
+                   ) -> torch.Tensor:
+        g_halo = torch.zeros_like(halo)
+        for o, t, s in self.taps:
+            g_frame = self._backward(grad.select(self.dim, _at(o, self.length)),
+                                     halo.select(self.dim, s), weight.select(self.dim, t),
+                                     [True, False, False])[0]
+            g_halo.select(self.dim, s).add_(g_frame)
+        return g_halo
+
+    def add_weight_grad(self, g_w: torch.Tensor, grad: torch.Tensor, halo: torch.Tensor,
+                        weight: torch.Tensor) -> None:
+        for o, t, s in self.taps:
+            g_w.select(self.dim, t).add_(self._backward(
+                grad.select(self.dim, _at(o, self.length)), halo.select(self.dim, s),
+                weight.select(self.dim, t), [False, True, False])[1])
+
+
+class _EdgeWindows:
+    """The corrections of a conv1d (`p = left = right`), both edges in one conv: the left
+    halo followed by `2p` zeros and `2p` zeros followed by the right halo, stacked along the
+    batch, `(2B, C, 3p)`, convolved with no padding along T into the first and last `p`
+    outputs `(2B, O, p)`. The zeros stand for the chunk, which the chunk's own conv read."""
+
+    def __init__(self, args: _ConvArgs, length: Any) -> None:
+        self.args, self.p, self.length = args, args.left, length
+
+    def _windows(self, halo: torch.Tensor) -> torch.Tensor:
+        p, batch = self.p, halo.shape[0]
+        windows = halo.new_zeros((2 * batch, halo.shape[1], 3 * p))
+        windows.narrow(0, 0, batch).narrow(2, 0, p).copy_(halo.narrow(2, 0, p))
+        windows.narrow(0, batch, batch).narrow(2, 2 * p, p).copy_(halo.narrow(2, p, p))
+        return windows
+
+    def _edges(self, grad: torch.Tensor) -> torch.Tensor:
+        return torch.cat([grad.narrow(2, 0, self.p), grad.narrow(2, self.length - self.p,
+                                                                 self.p)])
+
+    def add(self, y: torch.Tensor, halo: torch.Tensor, weight: torch.Tensor) -> None:
+        p, batch = self.p, y.shape[0]
+        out = self.args.conv(self._windows(halo), weight, None)
+        y.narrow(2, 0, p).add_(out.narrow(0, 0, batch))
+        y.narrow(2, self.length - p, p).add_(out.narrow(0, batch, batch))
+
+    def input_grad(self, grad: torch.Tensor, halo: torch.Tensor, weight: torch.Tensor
+                   ) -> torch.Tensor:
+        p, batch = self.p, halo.shape[0]
+        g_windows = self.args.full_backward(self._edges(grad), self._windows(halo), weight,
+                                           mask=(True, False, False))[0]
+        assert g_windows is not None
+        return torch.cat([g_windows.narrow(0, 0, batch).narrow(2, 0, p),
+                          g_windows.narrow(0, batch, batch).narrow(2, 2 * p, p)], 2)
+
+    def add_weight_grad(self, g_w: torch.Tensor, grad: torch.Tensor, halo: torch.Tensor,
+                        weight: torch.Tensor) -> None:
+        g_w.add_(self.args.full_backward(self._edges(grad), self._windows(halo), weight,
+                                         mask=(False, True, False))[1])
+
+
+def _at(output: int, length: Any) -> Any:
+    """Index of a `halo_taps` output in a chunk `length` long."""
+    return output if output >= 0 else length + output
 
 
 class _HaloConv(torch.autograd.Function):
@@ -74,7 +284,7 @@ class _HaloConv(torch.autograd.Function):
     ) -> torch.Tensor:
         dim, left, length = args.dim, args.left, x.shape[args.dim]
         moved = move.start(x)
-        if args.split:
+        if args.path == SPLIT:
             interior = args.conv(x, weight, bias)
             windows = _edge_windows(x, move, moved, args)
             # A side without halo (causal: right=0) has no boundary outputs and no window.
@@ -95,7 +305,7 @@ class _HaloConv(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, weight, *windows = ctx.saved_tensors
         args: _ConvArgs = ctx.args
-        g_x, g_w = (_split_backward if args.split else _whole_backward)(
+        g_x, g_w = (_split_backward if args.path == SPLIT else _whole_backward)(
             grad, x, weight, windows, ctx.move, args)
         g_b = grad.sum([d for d in range(grad.ndim) if d != 1]) if ctx.has_bias else None
         return g_x, g_w, g_b, None, None
@@ -212,7 +422,7 @@ def halo_conv(
     left: int, right: int, group: GroupLike, stride: int | tuple[int, ...] = 1,
     padding: int | tuple[int, ...] = 0, dilation: int | tuple[int, ...] = 1, groups: int = 1,
     pad: str = "zeros", transport: str | None = None, global_length: int | None = None,
-    overlap: bool = True, _reuse: Reuse | None = None,
+    overlap: bool = True, _reuse: Reuse | None = None, _path: str | None = None,
 ) -> torch.Tensor:
     """`F.conv1d/2d/3d` on a `Shard(dim)` chunk, padded along `dim` by the halo.
 
@@ -226,9 +436,14 @@ def halo_conv(
             along `dim`.
         left, right, pad, group, transport, global_length, _reuse: as for
             `halo_exchange`.
-        overlap: compute the interior while the halo travels (the default). It needs every
-            chunk at least one kernel extent long; shorter chunks fall back to exchanging
-            first, for all ranks alike. False always exchanges first.
+        overlap: convolve while the halo travels (the default): with `left == right`, the
+            chunk's own conv (zero padding along `dim`, the kernel one device would run on
+            the chunk) plus boundary corrections from the halo once it arrives; otherwise
+            the interior, then two thin edge windows. It needs every chunk at least
+            `left + right` long (`+ 1` for unequal halos); shorter chunks fall back to
+            exchanging first, for all ranks alike. False always exchanges first.
+        _path: force a formulation (`CORRECTED`, `SPLIT` or `WHOLE`; for measurements);
+            one that does not fit the chunks falls back as above.
 
     Returns:
         This rank's `Shard(dim)` chunk of the global convolution's output.
@@ -243,11 +458,26 @@ def halo_conv(
                                  global_length=global_length, problem=problem, reuse=_reuse)
     assert args is not None  # a problem raised on every rank in prepare_halo
     n = weight.ndim - 2
-    split = overlap and min(lengths) >= left + right + 1 and move is not None
+    path = _formulation(overlap, _path, min(lengths), left, right)
     spare = min(lengths) == 0
-    conv_args = _ConvArgs(dim, left, right, *args, groups, split, spare)
+    conv_args = _ConvArgs(dim, left, right, *args, groups, path, spare)
     if move is None:  # a kernel of one along dim: no halo (and, for an empty chunk, a spare)
         y = torch.ops.aten.convolution(torch.cat([x, _spare(x, dim)], dim) if spare else x,
                                        weight, bias, *args, False, [0] * n, groups)
         return y.narrow(dim, 0, x.shape[dim])
+    if path == CORRECTED:
+        return _CorrectedConv.apply(x, weight, bias, move, conv_args)
     return _HaloConv.apply(x, weight, bias, move, conv_args)
+
+
+def _formulation(overlap: bool, forced: str | None, shortest: int, left: int, right: int
+                 ) -> str:
+    """The formulation every rank runs (from the shortest chunk, so all ranks alike)."""
+    if forced not in (None, CORRECTED, SPLIT, WHOLE):
+        raise HaloError(f"_path must be None, {CORRECTED!r}, {SPLIT!r} or {WHOLE!r}, got "
+                        f"{forced!r}")
+    if not overlap or forced == WHOLE:
+        return WHOLE
+    if forced != SPLIT and left == right and shortest >= left + right:
+        return CORRECTED
+    return SPLIT if shortest >= left + right + 1 else WHOLE

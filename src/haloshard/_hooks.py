@@ -50,7 +50,7 @@ from haloshard._forward import (
     module_name,
 )
 from haloshard._forward import INSIDE as _INSIDE
-from haloshard._layout import HaloShard, check_pad_fits, shard_size_and_offset
+from haloshard._layout import HaloShard, check_pad_fits, shard_size_and_offset, shard_sizes
 from haloshard._specs import (
     _CONVS,
     _TRANSPOSED,
@@ -73,6 +73,10 @@ from haloshard._varlen import active_boundaries, varlen_conv
 LocalRun = Callable[..., Any]
 _ANNOTATION = "_haloshard_annotation"
 # True while a halo module's forward runs: halo modules nested in it pass through.
+# How much faster (summed over ranks) exchange-first must be to replace the overlapped conv:
+# it holds an input-sized window more, and a smaller difference is within the run-to-run
+# noise of one timed forward on a shared CPU (3% or more).
+_EXCHANGE_FIRST_MARGIN = 0.05
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 _CONV_FNS = (F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d)
 _F_PAD_MODE = {"constant": "zeros", "replicate": "replicate", "reflect": "reflect",
@@ -173,8 +177,8 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
         module: the module, already validated into `annotation` by `resolve`.
         annotation: its halo.
         mesh: used for plain-tensor inputs (1-D); DTensor inputs bring their own mesh.
-        overlap: run stride-1 convs that keep the length as `halo_conv`, which computes the
-            interior while the halo is in flight; False exchanges first; None chooses per
+        overlap: run stride-1 convs that keep the length as `halo_conv`, which convolves
+            the chunk while the halo is in flight; False exchanges first; None chooses per
             input signature (see `_HaloForward.overlaps`).
         local: how the module runs on its window, `local(forward, window, *args, **kwargs)`;
             None calls `forward(window, *args, **kwargs)`.
@@ -249,7 +253,7 @@ class _HaloForward(ShardedForward):
                             uniform=enabled_local_tensor_mode() is not None)
         _segments.follow(site.length, plan.out_length, annotation.stencil)
         reuse = self.reuse(site)
-        if (self.overlap is not False and _overlappable(self.module, annotation, plan)
+        if (self.overlap is not False and _overlappable(self.module, annotation, plan, site)
                 and self.overlaps(site, plan, reuse)):
             y = _overlapped_conv(self.module, site, plan, annotation, reuse)
         else:
@@ -270,13 +274,15 @@ class _HaloForward(ShardedForward):
             _INSIDE.reset(token)
 
     def overlaps(self, site: _Site, plan: WindowPlan, reuse: Reuse) -> bool:
-        """Whether this call runs the conv as `halo_conv` (interior while the halo travels)
-        or exchanges first: as given, or (`overlap=None`) decided once per global input
-        signature. Where both can be timed (eager c10d, not deterministic mode), each runs
-        its forward twice and the faster is kept, as `cudnn.benchmark` does:
-        on CPU no engine moves the halo beside the conv and which split oneDNN runs faster
-        depends on the shape. Elsewhere (compiled, simulated, deterministic) it overlaps.
-        Every rank takes the same choice (one small gather of the timings, once)."""
+        """Whether this call runs the conv as `halo_conv` (the chunk's own conv while the halo
+        travels, boundary corrections once it arrives) or exchanges first: as given, or
+        (`overlap=None`) decided once per global input signature. Where both can be timed
+        (eager c10d, not deterministic mode), each runs its forward twice and the faster is
+        kept, as `cudnn.benchmark` does: on CPU no engine moves the halo beside the conv,
+        and which formulation oneDNN runs faster depends on the shape. Exchange-first, which
+        holds an input-sized window more, must be `_EXCHANGE_FIRST_MARGIN` faster to be
+        kept. Elsewhere (compiled, simulated, deterministic) it overlaps. Every rank takes
+        the same choice (one small gather of the timings, once)."""
         if self.overlap is not None:
             return self.overlap
         x = site.local
@@ -305,29 +311,44 @@ class _HaloForward(ShardedForward):
         mine = torch.tensor([round(best[True] * 1e6), round(best[False] * 1e6)])
         rows = _comm.gather_ints(mine, _comm.resolve_group((site.mesh, site.axis)),
                                  what="choice of formulation")
-        return sum(r[0] for r in rows) <= sum(r[1] for r in rows)
+        first = sum(r[1] for r in rows)
+        return first >= (1 - _EXCHANGE_FIRST_MARGIN) * sum(r[0] for r in rows)
 
 
-def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan) -> bool:
-    """A derived, stride-1, length-keeping conv running torch's own forward, whose other dims
-    need no F.pad: its window is exactly the halo exchange's output, so `halo_conv` can run
-    it. A subclass with its own forward always runs that forward."""
+def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan, site: _Site
+                  ) -> bool:
+    """A derived, stride-1, length-keeping conv running torch's own forward: its window is
+    exactly the halo exchange's output, so `halo_conv` can run it. A subclass with its own
+    forward always runs that forward. With a padding mode other than zeros on the other
+    dims every chunk must hold a slice (`F.pad` refuses to pad an empty one that way)."""
     if (not isinstance(module, _CONVS) or annotation.spec is not None
             or isinstance(module.padding, str)):
         return False
-    si, stencil = annotation.dim - 2, annotation.stencil
-    zero_other = all(p == 0 for i, p in enumerate(module.padding) if i != si)
+    stencil = annotation.stencil
+    padded = module.padding_mode != "zeros" and any(module.padding)
     return (isinstance(stencil, ConvStencil) and stencil.stride == 1 and stencil.fill is None
             and plan.out_length == plan.length and plan.left + plan.right == stencil.span - 1
-            and (module.padding_mode == "zeros" or zero_other))
+            and not (padded and min(shard_sizes(site.length, site.mesh.size(site.axis))) == 0))
 
 
 def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
                      annotation: Annotation, reuse: Reuse) -> torch.Tensor:
-    """The conv as `halo_conv`: its interior is computed while the halo travels."""
-    return halo_conv(site.local, module.weight, module.bias, dim=annotation.dim,
+    """The conv as `halo_conv`: the chunk's own conv runs while the halo travels.
+
+    A padding mode other than zeros pads the other dims first, as the module's own forward
+    does (its padding along `dim` is 0 while the halo is attached): each slice is padded
+    alone, so its halo copies arrive padded alike, and the exchange pads `dim` in that mode.
+    """
+    x, padding = site.local, module.padding
+    if module.padding_mode != "zeros" and any(padding):
+        x = F.pad(x, [w for p in reversed(padding) for w in (p, p)], mode=module.padding_mode)
+        padding = (0,) * len(padding)
+        # Its own agreement: the padded chunk's sizes differ from the exchange-first
+        # window's, and it needs no gradient when padded under no_grad (a timing trial).
+        reuse = (reuse[0], (reuse[1], "padded", x.requires_grad))
+    return halo_conv(x, module.weight, module.bias, dim=annotation.dim,
                      left=plan.left, right=plan.right, group=(site.mesh, site.axis),
-                     stride=module.stride, padding=module.padding, dilation=module.dilation,
+                     stride=module.stride, padding=padding, dilation=module.dilation,
                      groups=module.groups, pad=annotation.stencil.pad,
                      global_length=plan.length, _reuse=reuse)
 

@@ -54,11 +54,12 @@ class HaloParallel(ParallelStyle):
             a stencil (any object implementing the public `haloshard.Stencil` protocol,
             e.g. a frozen dataclass of your own) describes a module that changes the length.
         dim: the sharded dim of the module's input; None: the spec's dim, or 2.
-        overlap: run a stride-1 conv that keeps the length as `halo_conv` (its interior is
-            computed while the halo travels); False exchanges first, then runs the module;
-            None (the default) picks the faster of the two once per input signature by
-            timing both forwards at the layer's first call with it (as
-            `cudnn.benchmark` does; the first step pays for it), and overlaps where they
+        overlap: run a stride-1 conv that keeps the length as `halo_conv` (the chunk's own
+            conv runs while the halo travels, boundary corrections follow); False exchanges
+            first, then runs the module; None (the default) picks the faster of the two once
+            per input signature by timing both forwards at the layer's first call with it
+            (as `cudnn.benchmark` does; the first step pays for it; exchange-first, which
+            holds an input-sized window more, must be 5% faster), and overlaps where they
             cannot be timed (compiled or simulated, or under
             `torch.use_deterministic_algorithms`). Both are exact. A conv subclass with a
             forward of its own always runs that forward.
