@@ -13,8 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from haloshard import HaloError
-from haloshard._attention import attention, gather_along
+from haloshard import HaloError, attention, gather_along
 from haloshard.testing import (
     assert_close_per_rank,
     rank_map,

@@ -37,9 +37,15 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
-from haloshard import HaloError, HaloShard
-from haloshard._hooks import annotate
-from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
+from haloshard import (
+    HaloError,
+    HaloParallel,
+    HaloShard,
+    annotate,
+    halo_handles,
+    halo_plan,
+    reduce_grads,
+)
 from haloshard.testing import (
     CausalConv3d,
     assert_close_per_rank,

@@ -17,8 +17,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh
 
-from haloshard import HaloError
-from haloshard._conv import CORRECTED, SPLIT, halo_conv, halo_taps
+from haloshard import HaloError, halo_conv
+from haloshard._conv import CORRECTED, SPLIT, halo_taps
 from haloshard.testing import (
     assert_close_per_rank,
     check_module,

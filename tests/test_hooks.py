@@ -25,10 +25,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from haloshard import HaloError, HaloShard, LocalParallel, ReplicatedArgsParallel
-from haloshard._hooks import annotate, annotation_of, attach, resolve
-from haloshard._specs import ResampleStencil
-from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
+from haloshard import (
+    HaloError,
+    HaloParallel,
+    HaloShard,
+    LocalParallel,
+    ReplicatedArgsParallel,
+    ResampleStencil,
+    annotate,
+    halo_handles,
+    halo_plan,
+    reduce_grads,
+)
+from haloshard._hooks import annotation_of, attach, resolve
 from haloshard.testing import (
     CausalConv3d,
     assert_close_per_rank,

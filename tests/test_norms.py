@@ -14,8 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from haloshard import HaloError
-from haloshard._norms import group_norm
+from haloshard import HaloError, group_norm
 from haloshard.testing import (
     assert_close_per_rank,
     rank_map,

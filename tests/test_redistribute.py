@@ -32,11 +32,10 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 
+from haloshard import PAD_MODES, HaloError, HaloShard, redistribute, shard_sizes
 from haloshard._dtensor_ops import install
-from haloshard._errors import HaloError
-from haloshard._layout import PAD_MODES, HaloShard, shard_sizes
 from haloshard._plan import exchange_plan
-from haloshard._redistribute import redistribute, unwrap
+from haloshard._redistribute import unwrap
 from haloshard.testing import (
     reference_halo,
     reference_pad,

@@ -23,13 +23,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from haloshard import HaloError, HaloShard
-from haloshard._hooks import _NoPadAlong
-from haloshard._layout import check_pad_fits, shard_size_and_offset
-from haloshard._specs import (
+from haloshard import (
     ConvStencil,
+    HaloError,
+    HaloShard,
     ResampleStencil,
     TransposeStencil,
+    shard_size_and_offset,
+)
+from haloshard._hooks import _NoPadAlong
+from haloshard._layout import check_pad_fits
+from haloshard._specs import (
     check_spec,
     conv_padding,
     derive_stencil,

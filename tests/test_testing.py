@@ -22,9 +22,15 @@ from torch.distributed._local_tensor import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from haloshard import TRANSPORTS, HaloError, HaloShard, halo_exchange
-from haloshard._hooks import annotate
-from haloshard._styles import halo_plan, reduce_grads
+from haloshard import (
+    TRANSPORTS,
+    HaloError,
+    HaloShard,
+    annotate,
+    halo_exchange,
+    halo_plan,
+    reduce_grads,
+)
 from haloshard.testing import (
     assert_close_per_rank,
     per_rank,

@@ -29,17 +29,17 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
-from haloshard import HaloError
-from haloshard._layer_styles import (
+from haloshard import (
     AttentionParallel,
     CausalConvParallel,
     FirstFrameParallel,
     FirstFrameStencil,
     GroupNormParallel,
+    HaloError,
     LocalParallel,
+    halo_handles,
 )
 from haloshard._specs import plan_windows
-from haloshard._styles import halo_handles
 from haloshard.testing import (
     assert_close_per_rank,
     check_module,
