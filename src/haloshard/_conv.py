@@ -32,6 +32,7 @@ from haloshard._exchange import (
     memory_format,
     prepare_halo,
 )
+from haloshard._layout import with_spare_slice
 
 _conv = torch.ops.aten.convolution.default
 _conv_backward = torch.ops.aten.convolution_backward.default
@@ -311,13 +312,6 @@ class _HaloConv(torch.autograd.Function):
         return g_x, g_w, g_b, None, None
 
 
-def _spare(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """One zero slice along `dim` for an empty chunk, none otherwise (per rank)."""
-    shape = list(x.shape)
-    shape[dim] = torch.sym_max(0, 1 - shape[dim])
-    return x.new_zeros(shape)
-
-
 def _gap(args: _ConvArgs) -> int:
     """The chunk slices between the halos in the edge-window buffer: `reach` per side."""
     return args.reach * (bool(args.left) + bool(args.right))
@@ -374,7 +368,7 @@ def _split_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 def _whole_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                     windows: list[torch.Tensor], move: HaloMove, args: _ConvArgs
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    grad = torch.cat([grad, _spare(grad, args.dim)], args.dim) if args.spare else grad
+    grad = with_spare_slice(grad, args.dim) if args.spare else grad
     g_buf, g_w = args.backward(grad, windows[0], weight)
     return move.adjoint(g_buf, x.shape[args.dim]), g_w
 
@@ -462,7 +456,7 @@ def halo_conv(
     spare = min(lengths) == 0
     conv_args = _ConvArgs(dim, left, right, *args, groups, path, spare)
     if move is None:  # a kernel of one along dim: no halo (and, for an empty chunk, a spare)
-        y = torch.ops.aten.convolution(torch.cat([x, _spare(x, dim)], dim) if spare else x,
+        y = torch.ops.aten.convolution(with_spare_slice(x, dim) if spare else x,
                                        weight, bias, *args, False, [0] * n, groups)
         return y.narrow(dim, 0, x.shape[dim])
     if path == CORRECTED:

@@ -70,7 +70,7 @@ from haloshard._hooks import (
     attach,
     rewrap,
 )
-from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
+from haloshard._layout import HaloShard, PadMode, lack, shard_sizes, with_spare_slice
 from haloshard._norms import group_norm
 from haloshard._specs import (
     _CONVS,
@@ -111,8 +111,7 @@ class _LocalForward(ShardedForward):
         if isinstance(n, torch.SymInt) and site.placements is not None:
             x = _equal_chunks(x, self.dim, site)
         elif isinstance(n, torch.SymInt) or n == 0:
-            lack = _lack(n)
-            x = F.pad(x, [0, 0] * (x.ndim - 1 - self.dim) + [0, lack])
+            x = with_spare_slice(x, self.dim)
         y = self.original(x, *args, **kwargs)
         _check_same_length(y.shape[self.dim], x.shape[self.dim], self.style, self.dim)
         return y.narrow(self.dim, 0, n) if x is not site.local else y
@@ -135,11 +134,6 @@ def _equal_chunks(x: torch.Tensor, dim: int, site: _Site) -> torch.Tensor:
     # a fresh tensor of the padded shape: the pad's own strides may stay per-rank
     shape = (*x.shape[:dim], longest, *x.shape[dim + 1 :])
     return torch.empty(shape, dtype=x.dtype, device=x.device).copy_(x)
-
-
-@maybe_run_for_local_tensor
-def _lack(n: int) -> int:
-    return max(0, 1 - n)
 
 
 @maybe_run_for_local_tensor

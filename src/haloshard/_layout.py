@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch.distributed.tensor.placement_types import Placement, Shard
 
 from haloshard._compat import maybe_run_for_local_tensor
@@ -182,3 +183,17 @@ def lack(n: int, longest: int) -> int:
     """Slices a chunk of `n` lacks to `longest` (per simulated rank): what pads every
     rank's chunk to one length where a kernel cannot take per-rank lengths."""
     return longest - n
+
+
+def with_spare_slice(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """`t` with one zero slice appended along `dim` where it has none (per rank): an empty
+    chunk (T < P) runs a conv or a per-slice module on one zero slice, whose output is
+    dropped; convs and pooling refuse empty inputs.
+
+    Example::
+        >>> with_spare_slice(torch.ones(2, 0), 1).shape, with_spare_slice(torch.ones(2, 3), 1).shape
+        (torch.Size([2, 1]), torch.Size([2, 3]))
+    """
+    shape = list(t.shape)
+    shape[dim] = torch.sym_max(0, 1 - shape[dim])
+    return torch.cat([t, t.new_zeros(shape)], dim)
