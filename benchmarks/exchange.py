@@ -9,7 +9,10 @@ they do not depend on the machine's absolute speed.
 
 `F.pad+move` is the floor no exchange can beat on the machine: `F.pad` while a bare c10d
 all-to-all of the same halo bytes (prebuilt buffers, no planning, checks or indexing) runs
-beside it, forward and backward; `/floor` columns are over it.
+beside it, forward and backward; `/floor` columns are over it. `all_to_all` is the steady
+state (`agreements=`, as every `HaloParallel` layer runs after its first call: checks local,
+a mistake flagged inside the move); `all_to_all (agree)` validates on every rank with a
+metadata all-gather at every call, as a bare `halo_exchange` call does.
 """
 
 from __future__ import annotations
@@ -90,11 +93,17 @@ def rank_bench(iters: int) -> dict[str, object]:
             "allgather": plan.gather_len * (world - 1) * slice_bytes}
     # What each rank sends, as one buffer split evenly (2 ranks: the halo slice to the peer).
     send = torch.randn(world, halo_bytes // full.element_size() // max(world - 1, 1))
+    store: dict[object, object] = {}  # the steady state: agreed once, then checked locally
     contenders = {"F.pad": lambda t: F.pad(t, (0, 0, 0, 0, LEFT, RIGHT)),
-                  "F.pad+move": lambda t: _PadBesideMove.apply(t, send)} | {
-        tr: lambda t, tr=tr: halo_exchange(t, left=LEFT, right=RIGHT, dim=2, group=mesh,
-                                           transport=tr)
+                  "F.pad+move": lambda t: _PadBesideMove.apply(t, send),
+                  "all_to_all": lambda t: halo_exchange(
+                      t, left=LEFT, right=RIGHT, dim=2, group=mesh, global_length=SHAPE[2],
+                      agreements=store)} | {
+        f"{tr} (agree)" if tr == "all_to_all" else tr:
+        lambda t, tr=tr: halo_exchange(t, left=LEFT, right=RIGHT, dim=2, group=mesh,
+                                       transport=tr)
         for tr in TRANSPORTS}
+    sent["all_to_all (agree)"] = sent["all_to_all"]
     _fwd_bwd(contenders, x, 5)  # untimed: plans, buffers, first collectives, the heap
     return {name: (*times, sent[name] / halo_bytes) if name in sent else times
             for name, times in _fwd_bwd(contenders, x, iters).items()}
@@ -112,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'transport':<11} {'fwd ms':>7} {'bwd ms':>7} {'fwd/F.pad':>10} {'bwd/F.pad':>10} "
           f"{'fwd/floor':>10} {'bwd/floor':>10} {'bytes/halo bytes':>17}")
     slowest = {name: [max(r[name][i] for r in ranks) for i in (0, 1)]  # it sets the pace
-               for name in ("F.pad", "F.pad+move", *TRANSPORTS)}
+               for name in ("F.pad", "F.pad+move", "all_to_all", "all_to_all (agree)",
+                            *TRANSPORTS[1:])}
     (pad_f, pad_b), (floor_f, floor_b) = slowest["F.pad"], slowest["F.pad+move"]
     for name, (fwd, bwd) in slowest.items():
         ratios = (fwd / pad_f, bwd / pad_b, fwd / floor_f, bwd / floor_b)

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from haloshard import HaloError, HaloParallel, HaloShard
-from haloshard.testing import seeded_randn, shard, single_device, worker_mesh
+from haloshard.testing import reference_halo, seeded_randn, shard, single_device, worker_mesh
 
 TOL = {"atol": 1e-12, "rtol": 1e-10}
 _COLLECTIVES = ("all_gather_single", "all_to_all_single", "all_gather_into_tensor",
@@ -130,3 +130,53 @@ def test_no_metadata_collective_after_the_first_call(gloo: Callable[[int], Any])
     other, bad = (r["raised"] for r in results)
     assert "agreed at this layer's first call in ['length']" in bad, bad
     assert "rank(s) [1] of the group passed this halo layer a tensor that differs" in other
+
+
+def function_steady_state() -> dict[str, Any]:
+    """`halo_exchange(..., agreements=store, global_length=T)`: agreed at the first call,
+    then only the halo all-to-all; a chunk of the wrong length on rank 1 still raises on
+    both ranks."""
+    from haloshard import halo_exchange
+
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    full = seeded_randn((1, 2, 7, 3), 1).double()
+    local, store = shard(full, 2, 2, rank).clone(), {}
+    counts, errors = [], []
+    for _ in range(3):
+        leaf = local.clone().requires_grad_()
+        with counted() as calls:
+            y = halo_exchange(leaf, left=2, right=1, dim=2, group=mesh, pad="replicate",
+                              global_length=7, agreements=store)
+            y.sum().backward()
+        counts.append(dict(calls))
+        want = reference_halo(full, 2, 1, 2, 2, rank, "replicate")
+        errors.append((y - want).abs().max().item())
+    bad = torch.cat([local, local[:, :, :1]], dim=2) if rank == 1 else local
+    try:
+        halo_exchange(bad, left=2, right=1, dim=2, group=mesh, pad="replicate",
+                      global_length=7, agreements=store)
+        raised = "ok"
+    except HaloError as error:
+        raised = f"HaloError: {error}"
+    return {"counts": counts, "errors": errors, "raised": raised}
+
+
+@pytest.mark.gloo
+def test_function_agreements(gloo: Callable[[int], Any]) -> None:
+    results = gloo(2).run(function_steady_state, timeout=120)
+    for got in results:
+        first, *later = got["counts"]
+        assert first == {"all_gather_single": 1, "all_to_all_single": 2}, first
+        assert all(c == {"all_to_all_single": 2} for c in later), later  # fwd + bwd moves
+        assert max(got["errors"]) == 0.0, got  # a data move: exact
+        assert got["raised"].startswith("HaloError"), got
+
+
+def test_agreements_needs_global_length() -> None:
+    from haloshard import halo_exchange
+    from haloshard.testing import simulated_mesh
+
+    with simulated_mesh(2) as mesh, pytest.raises(HaloError, match="needs a dict and "
+                                                                   "global_length"):
+        halo_exchange(torch.ones(1, 2, 3), left=1, right=1, dim=2, group=mesh,
+                      agreements={})

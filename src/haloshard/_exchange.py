@@ -543,6 +543,7 @@ def halo_exchange(
     pad: str = "zeros",
     transport: str | None = None,
     global_length: int | None = None,
+    agreements: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
     """Extend a local `Shard(dim)` chunk by its neighbours' halo slices, differentiably.
 
@@ -568,6 +569,12 @@ def halo_exchange(
             all-gather of its edge slices).
         global_length: the global length of `dim`; required under `torch.compile`, where no
             metadata can be exchanged, and checked against the chunks in eager mode.
+        agreements: a dict the caller keeps across calls (one per call site, empty at
+            first; needs `global_length`): the first call with given arguments validates
+            them on every rank (a metadata all-gather), later calls with the same ones check
+            this rank's chunk locally and carry a mistake as a flag inside the halo
+            all-to-all, so a steady-state call issues no metadata collective and a mistake
+            still raises on every rank. `HaloParallel` layers keep one each.
 
     Returns:
         The chunk with its halos, in `x`'s dtype and layout order.
@@ -583,10 +590,15 @@ def halo_exchange(
         torch.Size([1, 8, 4, 16, 16])
     """
     left, right, dim, group = _keywords(positional, left, right, dim, group)
+    if agreements is not None and (global_length is None or not isinstance(agreements, dict)):
+        raise HaloError(f"agreements= needs a dict and global_length= (the signature every "
+                        f"rank shares), got agreements of type {type(agreements).__name__}, "
+                        f"global_length={global_length!r}")
     # The lenient pad modes are the hooks' own (`exchange`), not part of the public API.
     problem = None if pad in PAD_MODES else f"pad must be one of {PAD_MODES}, got {pad!r}"
+    reuse = None if agreements is None else (agreements, "halo_exchange")
     return exchange(x, left, right, dim, group, pad=pad, transport=transport,
-                    global_length=global_length, problem=problem)
+                    global_length=global_length, problem=problem, reuse=reuse)
 
 
 def _keywords(positional: tuple[Any, ...], *named: Any) -> tuple[Any, ...]:
