@@ -1,9 +1,11 @@
 """Activation memory per rank of the example causal VAE under context parallelism.
 
 `python -m benchmarks.vae_memory` runs `examples/causal_vae.py`'s model (float64, one
-forward + backward) on 1 device and on P = 2, 4 gloo ranks with T sharded, and prints per P
-the largest rank's activation memory against the single-device run, side by side with the
-largest difference to the single-device results (forward, input and parameter gradients).
+forward + backward) on 1 device and on P = 2, 4 gloo ranks with T sharded (`--dims 2 3`: T,
+then H, as serving stacks shard decode; `spatial_plan`), and prints per P the largest rank's
+activation memory against the single-device run and the bytes it handed to collectives,
+side by side with the largest difference to the single-device results (forward, input and
+parameter gradients).
 
 Method: activation memory is the bytes autograd saves for the backward during the forward,
 counted with `torch.autograd.graph.saved_tensors_hooks`, each distinct storage once (views
@@ -41,23 +43,27 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=8)
     parser.add_argument("--ch", type=int, default=8)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--dims", type=int, nargs="+", default=[2],
+                        help="sharded dims to compare: 2 (T), 3 (H), 4 (W)")
     args = parser.parse_args()
     vae = _example()
     print(f"causal VAE (ch={args.ch}), input (1, 3, {args.frames}, {args.size}, {args.size}) "
-          "float64, forward + backward; saved activations per rank")
-    print("| P | single MiB | max rank MiB | rank / single | 1/P | (1/P)*1.15 | 1/P+0.15 "
-          "| max diff |")
-    print("|---|---|---|---|---|---|---|---|")
-    for p in args.ranks:
-        with GlooWorld(p, timeout=600) as world:
-            rows = world.run(vae.on_rank, args.frames, args.size, 0, args.ch)
-        single, peak = rows[0]["single MiB"], max(r["saved MiB"] for r in rows)
-        diff = max(r[k] for r in rows for k in ("forward", "input grad", "param grads"))
-        ratio = peak / single
-        print(f"| {p} | {single:.2f} | {peak:.2f} | {ratio:.3f} | {1 / p:.3f} | "
-              f"{1.15 / p:.3f}{' ok' if ratio <= 1.15 / p else ' MISS'} | "
-              f"{1 / p + 0.15:.3f}{' ok' if ratio <= 1 / p + 0.15 else ' MISS'} | "
-              f"{diff:.1e} |")
+          "float64, forward + backward; saved activations and bytes sent per rank")
+    print("| sharded | P | single MiB | max rank MiB | rank / single | 1/P | (1/P)*1.15 "
+          "| 1/P+0.15 | max MiB sent | max diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for dim in args.dims:
+        for p in args.ranks:
+            with GlooWorld(p, timeout=600) as world:
+                rows = world.run(vae.on_rank, args.frames, args.size, 0, args.ch, dim)
+            single, peak = rows[0]["single MiB"], max(r["saved MiB"] for r in rows)
+            diff = max(r[k] for r in rows for k in ("forward", "input grad", "param grads"))
+            ratio, sent = peak / single, max(r["sent MiB"] for r in rows)
+            print(f"| {'THW'[dim - 2]} | {p} | {single:.2f} | {peak:.2f} | {ratio:.3f} | "
+                  f"{1 / p:.3f} | "
+                  f"{1.15 / p:.3f}{' ok' if ratio <= 1.15 / p else ' MISS'} | "
+                  f"{1 / p + 0.15:.3f}{' ok' if ratio <= 1 / p + 0.15 else ' MISS'} | "
+                  f"{sent:.2f} | {diff:.1e} |")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ from haloshard import (
     CausalConvParallel,
     FirstFrameParallel,
     GroupNormParallel,
+    HaloParallel,
     LocalParallel,
+    group_norm,
     halo_handles,
     reduce_grads,
 )
@@ -185,6 +187,55 @@ def cp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     return plan
 
 
+class FrameNormParallel(ParallelStyle):
+    """`FrameNorm` with a spatial dim sharded (H for decode): each frame's statistics span
+    every rank's rows, so the frames become the batch of `haloshard.group_norm` (exact).
+    A style a user writes for a layer of their own, from the public API."""
+
+    def __init__(self, *, dim: int = 3) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, FrameNorm)
+
+        def forward(x: DTensor) -> DTensor:
+            local = x.to_local()
+            frames = rearrange(local, "b c t h w -> (b t) c h w")  # T is not sharded here
+            y = group_norm(frames, module.groups, module.weight, module.bias, module.eps,
+                           device_mesh)
+            y = rearrange(y, "(b t) c h w -> b c t h w", b=local.shape[0])
+            return DTensor.from_local(y, x.device_mesh, x.placements, shape=x.shape,
+                                      stride=x.stride())
+
+        module.forward = forward
+        return module
+
+
+def spatial_plan(model: nn.Module, dim: int = 3) -> dict[str, ParallelStyle]:
+    """The same model with H (dim 3) or W (dim 4) sharded instead of T, as serving stacks
+    shard decode: every kernel along H gets its halo (the causal wrappers pad T locally and
+    their conv takes the H halo), norms combine statistics over the ranks, attention gathers
+    K/V, and the temporal resamplers and 1x1 convs are local along H."""
+    plan: dict[str, ParallelStyle] = {}
+    for fqn, module in model.named_modules():
+        owner = next((p for p in plan if fqn.startswith(p + ".")), None)
+        if owner is not None and not isinstance(plan[owner], AttentionParallel | LocalParallel):
+            continue
+        if isinstance(module, CausalConv3d):
+            plan[fqn], plan[f"{fqn}.conv"] = LocalParallel(dim=dim), HaloParallel(dim=dim)
+        elif isinstance(module, nn.GroupNorm):
+            plan[fqn] = GroupNormParallel(dim=dim)
+        elif isinstance(module, Attention):
+            plan[fqn] = AttentionParallel(dim=dim)
+        elif isinstance(module, FrameNorm):
+            plan[fqn] = FrameNormParallel(dim=dim)
+        elif isinstance(module, TimeDown | TimeUp) or (
+                isinstance(module, nn.Conv3d) and fqn not in plan):
+            plan[fqn] = LocalParallel(dim=dim)
+    return plan
+
+
 # ---------------------------------------------------------------- measuring
 @contextmanager
 def saved_bytes() -> Iterator[dict[str, int]]:
@@ -237,20 +288,49 @@ def reference(model: nn.Module, full: torch.Tensor, seed: int) -> dict[str, Any]
             "grads": [p.grad for p in ref.parameters()]}
 
 
-def sharded(model: nn.Module, mesh: DeviceMesh, full: torch.Tensor, ref: dict[str, Any]
-            ) -> dict[str, Any]:
-    """The parallel run on `model` (already parallelized): output, gradients, saved bytes."""
+def sharded(model: nn.Module, mesh: DeviceMesh, full: torch.Tensor, ref: dict[str, Any],
+            dim: int = 2) -> dict[str, Any]:
+    """The parallel run on `model` (already parallelized for `Shard(dim)`): output,
+    gradients, saved bytes, bytes this rank handed to collectives."""
     world = mesh.size()
-    local = rank_map(mesh, lambda r: shard(full, 2, world, r).clone()).requires_grad_()
-    x = DTensor.from_local(local, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
-    with saved_bytes() as mem:
+    local = rank_map(mesh, lambda r: shard(full, dim, world, r).clone()).requires_grad_()
+    x = DTensor.from_local(local, mesh, [Shard(dim)], shape=full.shape, stride=full.stride())
+    with sent_bytes() as sent, saved_bytes() as mem:
         y = model(x)
-    assert isinstance(y, DTensor) and y.placements == (Shard(2),) and y.shape == ref["y"].shape
-    gy = rank_map(mesh, lambda r: shard(ref["gy"], 2, world, r))
-    (y.to_local() * gy).sum().backward()
+        assert isinstance(y, DTensor) and y.placements == (Shard(dim),)
+        assert y.shape == ref["y"].shape
+        gy = rank_map(mesh, lambda r: shard(ref["gy"], dim, world, r))
+        (y.to_local() * gy).sum().backward()
     reduce_grads(model, mesh)
-    return {"y": y.to_local(), "gx": local.grad, "bytes": mem["bytes"],
+    return {"y": y.to_local(), "gx": local.grad, "bytes": mem["bytes"], "sent": sent["bytes"],
             "grads": [p.grad for p in model.parameters()]}
+
+
+@contextmanager
+def sent_bytes() -> Iterator[dict[str, int]]:
+    """Bytes this rank hands to c10d collectives in the block (forward and backward; the
+    gradient reduction after it is the same for any sharding): an all-to-all's input, an
+    all-gather's input once per peer, an all-reduce's input twice (a ring)."""
+    out = {"bytes": 0}
+    peers = dist.get_world_size() - 1
+    factor = {"all_to_all_single": lambda t: t, "all_gather_single": lambda t: t * peers,
+              "all_gather_into_tensor": lambda t: t * peers, "all_reduce": lambda t: 2 * t}
+    saved = {name: getattr(dist, name) for name in factor}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            data = args[1] if name != "all_reduce" else args[0]
+            out["bytes"] += factor[name](data.numel() * data.element_size())
+            return saved[name](*args, **kwargs)
+        return call
+
+    for name in factor:
+        setattr(dist, name, counting(name))
+    try:
+        yield out
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -258,23 +338,24 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().amax().item() if a.numel() else 0.0
 
 
-def on_rank(frames: int, size: int, seed: int, ch: int = 8) -> dict[str, float]:
-    """One gloo rank: build, parallelize, compare with the single-device run."""
+def on_rank(frames: int, size: int, seed: int, ch: int = 8, dim: int = 2) -> dict[str, float]:
+    """One gloo rank: build, parallelize (T sharded, or H / W with `dim` 3 / 4), compare
+    with the single-device run."""
     mesh = worker_mesh(dist.get_world_size())
     model, full = make(frames, size, seed, ch)
     ref = reference(model, full, seed + 1)
     start = time.perf_counter()
-    parallelize_module(model, mesh, cp_plan(model))
-    got = sharded(model, mesh, full, ref)
+    parallelize_module(model, mesh, cp_plan(model) if dim == 2 else spatial_plan(model, dim))
+    got = sharded(model, mesh, full, ref, dim)
     rank, world = dist.get_rank(), dist.get_world_size()
     diff = {
-        "forward": max_diff(got["y"], shard(ref["y"], 2, world, rank)),
-        "input grad": max_diff(got["gx"], shard(ref["gx"], 2, world, rank)),
+        "forward": max_diff(got["y"], shard(ref["y"], dim, world, rank)),
+        "input grad": max_diff(got["gx"], shard(ref["gx"], dim, world, rank)),
         "param grads": max(max_diff(g, r) for g, r in zip(got["grads"], ref["grads"],
                                                           strict=True)),
     }
     return {**diff, "saved MiB": got["bytes"] / 2**20, "single MiB": ref["bytes"] / 2**20,
-            "seconds": time.perf_counter() - start}
+            "sent MiB": got["sent"] / 2**20, "seconds": time.perf_counter() - start}
 
 
 def main() -> None:
@@ -282,10 +363,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--frames", type=int, default=17)
     parser.add_argument("--size", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=2, help="sharded dim: 2 (T), 3 (H), 4 (W)")
     args = parser.parse_args()
     with GlooWorld(args.ranks, timeout=300) as world:
-        rows = world.run(on_rank, args.frames, args.size, 0)
-    print(f"T={args.frames}, {args.size}x{args.size}, float64, {args.ranks} gloo ranks")
+        rows = world.run(on_rank, args.frames, args.size, 0, 8, args.dim)
+    print(f"T={args.frames}, {args.size}x{args.size}, float64, {args.ranks} gloo ranks, "
+          f"dim {args.dim} sharded")
     for key in ("forward", "input grad", "param grads"):
         print(f"  max |sharded - single| {key:<11}: {max(r[key] for r in rows):.3e}")
     single = rows[0]["single MiB"]

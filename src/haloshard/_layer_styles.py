@@ -269,7 +269,11 @@ class _TokenAttention(TorchFunctionMode):
     def __init__(self, site: _Site, dim: int) -> None:
         super().__init__()
         self.site, self.dim, self.calls = site, dim, 0
-        self.frame = math.prod(site.local.shape[dim + 1 :])
+        # Tokens per slice along dim: the other spatial dims. Unmasked attention does not
+        # depend on the order of its keys, so the sharded dim need not lead the flattening
+        # (H sharded under a (t h w) token order gathers each rank's tokens as one block).
+        shape = site.local.shape
+        self.frame = math.prod(n for i, n in enumerate(shape) if i >= 2 and i != dim)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
