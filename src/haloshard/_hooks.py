@@ -23,7 +23,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -202,6 +202,7 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
                                   watch=(annotation.spec is None and not known
                                          and isinstance(module, DERIVABLE)),
                                   name=module_name(module), local=local)
+    module.forward.known = known
     handle = HaloHandle(module, saved, previous)
     setattr(module, _HANDLE, handle)
     return handle
@@ -221,6 +222,7 @@ class _HaloForward(ShardedForward):
         self.annotation, self.saved, self.previous = annotation, saved, previous
         self.overlap, self.watch, self.local = overlap, watch, local
         self.name = name or type(module).__name__
+        self.known = False  # torch's own forward for its kind (set by `attach`)
         self.fresh()
 
     def fresh(self) -> None:
@@ -246,7 +248,9 @@ class _HaloForward(ShardedForward):
         if isinstance(self.module, _TRANSPOSED) and (args or "output_size" in kwargs):
             raise HaloError("ConvTranspose with output_size= is not supported under a halo "
                             "(it would size each rank's local output); expected no output_size")
-        site = _site(x, annotation.dim, self.mesh)
+        site = _site(x, annotation.dim, self.mesh, several=True)
+        if site.others:
+            return self.several(site, *args, **kwargs)
         if active_boundaries() is not None:  # haloshard.packed: one conv per document
             return _packed_conv(self, site)
         plan = plan_windows(annotation.stencil, site.length, site.mesh.size(site.axis),
@@ -259,6 +263,42 @@ class _HaloForward(ShardedForward):
         else:
             y = self.exchange_first(site, plan, reuse, *args, **kwargs)
         return _output(y, site, plan, annotation)
+
+    def several(self, site: _Site, *args: Any, **kwargs: Any) -> Any:
+        """Spatial dims sharded on several mesh axes (T and H): the halo exchanged along
+        each in turn, so the second exchange also moves the first one's halo slices (the
+        corners a 3x3x3 kernel reads from its diagonal neighbour); the module runs once on
+        the window with its padding removed along each dim; each dim keeps this rank's
+        outputs. Only layers whose halo is derived (convs, pooling, resampling)."""
+        module, annotation = self.module, self.annotation
+        if (annotation.spec is not None or self.watch or not self.known
+                or not isinstance(module, DERIVABLE) or self.local is not None
+                or active_boundaries() is not None):
+            dims = [annotation.dim, *(d for _, d in site.others)]
+            raise HaloError(f"an input sharded on dims {dims} needs a layer whose halo along "
+                            "each is derived (a conv, pooling or resampling with torch's own "
+                            "forward), not an explicit spec, a local= rule or packed "
+                            "documents")
+        x, plans = site.local, []
+        uniform = enabled_local_tensor_mode() is not None
+        for axis, d in ((site.axis, annotation.dim), *site.others):
+            stencil = annotation.stencil if d == annotation.dim else derive_stencil(module, d)
+            plan = plan_windows(stencil, site.shape[d], site.mesh.size(axis), uniform=uniform)
+            sub = replace(site, local=x, axis=axis, dim=d)
+            x = _window(sub, plan, Annotation(None, d, stencil), None)
+            plans.append((axis, d, plan))
+        token, before = _INSIDE.set(True), {}
+        try:
+            for _, d in site.others:  # padding removed along each (the first at attach)
+                for name, value in local_attrs(module, d).items():
+                    before.setdefault(name, getattr(module, name))
+                    setattr(module, name, value)
+            y = self.original(x, *args, **kwargs)
+        finally:
+            for name, value in before.items():
+                setattr(module, name, value)
+            _INSIDE.reset(token)
+        return _several_output(y, site, plans)
 
     def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
                        **kwargs: Any) -> Any:
@@ -375,13 +415,16 @@ class _Site:
     placements: tuple[Placement, ...] | None  # None: plain tensor in, plain tensor out
     shape: tuple[int, ...]
     dim: int
+    # other spatial dims sharded on other mesh axes, (mesh axis, dim): T and H at once
+    others: tuple[tuple[int, int], ...] = ()
 
     @property
     def length(self) -> int:
         return self.shape[self.dim]
 
 
-def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None) -> _Site:
+def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None, *, several: bool = False
+          ) -> _Site:
     fits = isinstance(x, torch.Tensor) and -x.ndim <= dim < x.ndim
     got = f"a {x.ndim}-D tensor" if isinstance(x, torch.Tensor) else type(x).__name__
     problem = f"a halo module's first input must be a tensor with dim {dim}, got {got}"
@@ -389,7 +432,7 @@ def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None) -> _Site:
         if not fits:
             raise HaloError(problem)
         if isinstance(x, DTensor):
-            return _dtensor_site(x, dim)
+            return _dtensor_site(x, dim, several=several)
         if mesh is None:
             raise HaloError("a plain-tensor input needs a mesh: apply the halo with "
                             "HaloParallel (parallelize_module) or pass a DTensor")
@@ -409,17 +452,27 @@ def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None) -> _Site:
     return _Site(x, mesh, 0, None, shape, dim)
 
 
-def _dtensor_site(x: DTensor, dim: int) -> _Site:
+def _dtensor_site(x: DTensor, dim: int, *, several: bool = False) -> _Site:
+    """The site of a DTensor sharded along `dim` on one mesh axis; with `several`, other
+    spatial dims may be sharded on other axes too (`_Site.others`)."""
     axes = [a for a, p in enumerate(x.placements) if p == Shard(dim)]
     if len(axes) != 1:
         raise HaloError(f"the input must be sharded along dim {dim} on exactly one mesh axis, "
                         f"got placements {tuple(x.placements)}")
-    for p in x.placements:
-        if not (isinstance(p, Replicate) or p in (Shard(0), Shard(dim))):
+    others: list[tuple[int, int]] = []
+    for a, p in enumerate(x.placements):
+        if isinstance(p, Replicate) or p in (Shard(0), Shard(dim)):
+            continue
+        d = p.dim % x.ndim if isinstance(p, Shard) else None
+        if not several or d is None or d < 2 or d in [o for _, o in others]:
             raise HaloError(f"placement {p} is not supported beside Shard({dim}): expected "
-                            "Replicate or Shard(0) (batch) on the other mesh axes")
+                            "Replicate or Shard(0) (batch) on the other mesh axes"
+                            + ("" if several else "; only layers whose halo is derived "
+                               "(convs, pooling) and GroupNormParallel take a second "
+                               "sharded spatial dim"))
+        others.append((a, d))
     return _Site(LocalChunk.apply(x), x.device_mesh, axes[0], tuple(x.placements),
-                 tuple(x.shape), dim)
+                 tuple(x.shape), dim, tuple(others))
 
 
 class LocalChunk(torch.autograd.Function):
@@ -525,6 +578,22 @@ def _output(y: torch.Tensor, site: _Site, plan: WindowPlan, annotation: Annotati
     return rewrap(y, site, dim, plan.out_length)
 
 
+def _several_output(y: Any, site: _Site, plans: list[tuple[int, int, WindowPlan]]) -> Any:
+    """Narrow along each sharded dim to this rank's outputs; a DTensor with the global
+    output shape on the input's mesh and placements."""
+    if not isinstance(y, torch.Tensor) or isinstance(y, DTensor):
+        raise HaloError(f"a halo module must return a plain tensor from its local forward, "
+                        f"got {type(y).__name__}")
+    shape = list(_global_shape(y, site, site.dim, plans[0][2].out_length))
+    for axis, d, plan in plans:
+        start, length = _pick(site.mesh.get_local_rank(axis), plan.out_start, plan.out_len)
+        y = y.narrow(d, start, length)
+        shape[d] = plan.out_length
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(y, site.mesh, site.placements, run_check=False,
+                              shape=torch.Size(shape), stride=stride)
+
+
 def rewrap(y: torch.Tensor, site: _Site, dim: int, length: int) -> Any:
     """This rank's output chunk `y` as the input came: plain for a plain chunk, else a
     `Shard(dim)` DTensor on the input's mesh and placements, `length` long along dim."""
@@ -540,8 +609,10 @@ def _global_shape(y: torch.Tensor, site: _Site, dim: int, out_length: int) -> to
     """`out_length` along dim, the input's global batch where a mesh axis shards the batch
     (a layer keeps the batch), and the local sizes elsewhere (nothing else is sharded)."""
     batch_sharded = site.placements is not None and Shard(0) in site.placements
+    kept = {0} if batch_sharded else set()
+    kept |= {d for _, d in site.others}  # other sharded dims, kept by a per-slice layer
     return torch.Size(
-        out_length if i == dim else site.shape[0] if i == 0 and batch_sharded else int(size)
+        out_length if i == dim else site.shape[i] if i in kept else int(size)
         for i, size in enumerate(y.shape)
     )
 

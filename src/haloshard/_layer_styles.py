@@ -215,7 +215,14 @@ class _GroupNormForward(_LocalForward):
         # `_GroupNormFn` checks C against the groups on every rank, inside its gather.
         return group_norm(site.local, gn.num_groups, gn.weight, gn.bias, gn.eps,
                           (site.mesh, site.axis), segments=_segments.at(site.length),
-                          dim=self.dim)
+                          dim=self.dim,
+                          other_groups=[(site.mesh, axis) for axis, _ in site.others])
+
+    def site(self, x: torch.Tensor) -> _Site:
+        # statistics combine over every mesh axis that shards a spatial dim (T and H)
+        if isinstance(x, DTensor):
+            return _dtensor_site(x, self.dim, several=True)
+        return super().site(x)
 
     def inside(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         raise HaloError("GroupNormParallel cannot run inside a halo module (its input is a "

@@ -189,6 +189,13 @@ def _segment_sums(t: torch.Tensor, within: tuple[int, ...], seg: Segments | None
 
 def _combine(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(P, 3, B, G)` per-rank stats -> global mean and biased variance, each `(B, G)`."""
+    count, mean, m2 = _combined(stats)
+    return mean, m2 / count.clamp(min=1.0)
+
+
+def _combined(stats: torch.Tensor) -> torch.Tensor:
+    """`(P, 3, B, G)` per-rank stats -> their `(3, B, G)` (count, mean, M2), in rank order
+    (Chan's parallel update: the same result on every rank)."""
     count, mean, m2 = stats[0]
     for other in stats[1:]:
         n_b, mean_b, m2_b = other
@@ -198,7 +205,7 @@ def _combine(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mean = mean + delta * share
         m2 = m2 + m2_b + delta * delta * count * share
         count = total
-    return mean, m2 / count.clamp(min=1.0)
+    return torch.stack([count, mean, m2])
 
 
 def _per_channel(t: torch.Tensor, channels: int, ndim: int) -> torch.Tensor:
@@ -221,13 +228,18 @@ class _GroupNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,  # type: ignore[override]
                 bias: torch.Tensor | None, groups: int, eps: float, grp: _comm.Group,
-                seg: Segments | None = None) -> torch.Tensor:
+                seg: Segments | None = None, more: tuple[_comm.Group, ...] = ()
+                ) -> torch.Tensor:
         stats = _gather_stats(x, groups, eps, weight, bias,
                               _norm_problem(x, groups, weight, bias), grp, seg)
+        for other in more:  # another mesh axis shards a second dim: combine over it too
+            stats = _comm.all_gather(_combined(stats).unsqueeze(0), other,
+                                     "group_norm statistics all-gather")
         mean, var = _combine(stats)
         rstd = torch.rsqrt(var + eps)
         ctx.save_for_backward(x, weight, mean, rstd, stats[:, 0].sum(0))
         ctx.grp, ctx.bias_dtype, ctx.seg = grp, None if bias is None else bias.dtype, seg
+        ctx.more = more
         work = torch.promote_types(x.dtype, torch.float32)
         c, n = x.shape[1], x.ndim
         y = (x.to(work) - _expand(mean, c, n, seg)) * _expand(rstd, c, n, seg)
@@ -250,8 +262,9 @@ class _GroupNormFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             sums = torch.stack([_segment_sums(dxh, within, seg),
                                 _segment_sums(dxh * xh, within, seg)])  # (2, R, C)
-            sums = _comm.all_reduce_sum(sums.unflatten(2, (mean.shape[1], -1)).sum(-1),
-                                        ctx.grp, "group_norm backward all-reduce")
+            sums = sums.unflatten(2, (mean.shape[1], -1)).sum(-1)
+            for grp in (ctx.grp, *ctx.more):
+                sums = _comm.all_reduce_sum(sums, grp, "group_norm backward all-reduce")
             sums = sums / count.clamp(min=1.0)
             m1, m2 = (_expand(t, c, n, seg) for t in sums)
             dx = (_expand(rstd, c, n, seg) * (dxh - m1 - xh * m2)).to(x.dtype)
@@ -259,7 +272,7 @@ class _GroupNormFn(torch.autograd.Function):
             dw = (dy * xh).sum((0, *within)).to(weight.dtype)
         if ctx.needs_input_grad[2]:
             db = dy.sum((0, *within)).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def group_norm(
@@ -272,6 +285,7 @@ def group_norm(
     *,
     segments: Sequence[int] | None = None,
     dim: int = 2,
+    other_groups: Sequence[GroupLike] = (),
 ) -> torch.Tensor:
     """`F.group_norm` of the global tensor, on this rank's shard of any non-channel dim.
 
@@ -289,6 +303,8 @@ def group_norm(
             `Shard` chunks of their sum): each segment is normalised with its own
             statistics, as a loop calling `F.group_norm` on each would (frame batches).
         dim: the sharded dim, for `segments`.
+        other_groups: the ranks sharding other dims of x (T and H on two mesh axes, as a
+            `(mesh, mesh_axis)` each): the statistics combine over them too.
 
     Raises:
         HaloError: on every rank, when C is not divisible by num_groups or the ranks
@@ -306,4 +322,5 @@ def group_norm(
         if not 2 <= dim < x.ndim:
             raise HaloError(f"group_norm with segments needs 2 <= dim < {x.ndim}, got {dim}")
         seg = local_segments(segments, grp.rank, grp.size, dim, _device(x))
-    return _GroupNormFn.apply(x, weight, bias, num_groups, eps, grp, seg)
+    more = tuple(_comm.resolve_group(g) for g in other_groups)
+    return _GroupNormFn.apply(x, weight, bias, num_groups, eps, grp, seg, more)

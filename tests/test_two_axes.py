@@ -1,0 +1,143 @@
+"""Halos on two mesh axes: T and H sharded at once on a `(t, h)` mesh (and a `dp` axis).
+
+A conv whose input DTensor is `[Shard(2), Shard(3)]` exchanges its T halo on the `t` axis,
+then its H halo on the `h` axis over the T-extended window, so the corners a 3x3x3 kernel
+reads from its diagonal neighbour arrive with the second exchange. `GroupNormParallel`
+combines its statistics over both axes. Checked against one device: output, input gradient
+and every parameter gradient (summed over both axes), uneven and empty shards on either
+axis, halos longer than a chunk (kernel 5), strided convs, every padding mode, and a third
+`dp` axis sharding the batch. Float64; the sums are the single device's, taken in another
+order (windows, per-rank partial gradients): 1e-12 bounds that, while a misplaced slice or
+corner is O(1).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from haloshard import GroupNormParallel, HaloError, HaloParallel, HaloShard, reduce_grads
+from haloshard.testing import (
+    seeded_module,
+    seeded_randn,
+    simulated_mesh,
+    single_device,
+    worker_mesh,
+)
+
+TOL = {"atol": 1e-12, "rtol": 1e-10}
+
+
+def _model(pad_mode: str, seed: int) -> nn.Module:
+    return seeded_module(nn.Sequential(
+        nn.Conv3d(2, 4, 3, padding=1, padding_mode=pad_mode),   # corners from diagonals
+        nn.GroupNorm(2, 4), nn.SiLU(),
+        nn.Conv3d(4, 4, (5, 5, 3), padding=(2, 2, 1)),           # halos of 2: multi-hop
+        nn.Conv3d(4, 3, 3, stride=2, padding=1),                 # strided on both dims
+    ), seed).double()
+
+
+def _plan() -> dict[str, Any]:
+    return {"0": HaloParallel(), "1": GroupNormParallel(), "3": HaloParallel(),
+            "4": HaloParallel()}
+
+
+def case_two_axes(mesh: DeviceMesh, length: int, height: int, pad_mode: str, seed: int
+                  ) -> None:
+    names = mesh.mesh_dim_names or ()
+    batch = 2 if "dp" in names else 1
+    placements = [Shard(0) if n == "dp" else Shard(2) if n == "t" else Shard(3)
+                  for n in names]
+    with single_device():
+        model = _model(pad_mode, seed)
+        full = seeded_randn((batch, 2, length, height, 4), seed)
+        twin = copy.deepcopy(model)
+        x_ref = full.clone().requires_grad_()
+        y_ref = twin(x_ref)
+        gy = seeded_randn(tuple(y_ref.shape), seed + 1)
+        (y_ref * gy).sum().backward()
+    parallelize_module(model, mesh["t"], _plan())
+    x = distribute_tensor(full, mesh, placements).requires_grad_()
+    y = model(x)
+    assert isinstance(y, DTensor) and tuple(y.placements) == tuple(placements)
+    assert y.shape == y_ref.shape, (y.shape, y_ref.shape)
+    torch.testing.assert_close(y.full_tensor(), y_ref.detach(), **TOL)
+    (y * distribute_tensor(gy, mesh, placements)).sum().backward()
+    torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad, **TOL)
+    for axis in ("t", "h", *(["dp"] if batch > 1 else [])):
+        reduce_grads(model, mesh, mesh_axis=axis)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        got = DTensor.from_local(p.grad, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        torch.testing.assert_close(got.full_tensor(), q.grad, **TOL)
+
+
+class Causal(nn.Module):
+    """A causal wrapper: pads T itself, then a conv (3x3 spatially)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=(0, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.nn.functional.pad(x, (0, 0, 0, 0, 2, 0)))
+
+
+def case_refusal(mesh: DeviceMesh) -> None:
+    """A layer with an explicit spec (a wrapper padding T itself) cannot take H's halo: it
+    raises, naming the dims, instead of running on a window without it."""
+    with single_device():
+        conv = Causal().double()
+        full = seeded_randn((1, 2, 4, 4, 4), 1)
+    parallelize_module(conv, mesh["t"], HaloParallel(HaloShard(2, left=2)))
+    x = distribute_tensor(full, mesh, [Shard(2), Shard(3)])
+    with pytest.raises(HaloError, match=r"sharded on dims \[2, 3\] needs a layer whose halo"):
+        conv(x)
+
+
+# (T, H): uneven on both; a chunk shorter than kernel 5's halo of 2; an empty shard on t;
+# an empty shard on h
+GEOMETRIES = [(7, 6), (3, 5), (1, 4), (4, 1)]
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("length", "height"), GEOMETRIES)
+@pytest.mark.parametrize("pad_mode", ["zeros", "replicate", "reflect", "circular"])
+def test_two_axes_simulated(length: int, height: int, pad_mode: str) -> None:
+    if pad_mode in ("reflect", "circular") and min(length, height) < 2:
+        pytest.skip("the single-device conv cannot reflect or wrap a length-1 dim")
+    with simulated_mesh((2, 2), mesh_dim_names=("t", "h")) as mesh:
+        case_two_axes(mesh, length, height, pad_mode, 3)
+
+
+@pytest.mark.simulated
+def test_with_dp_axis_simulated() -> None:
+    with simulated_mesh((2, 2, 2), mesh_dim_names=("dp", "t", "h")) as mesh:
+        case_two_axes(mesh, 5, 5, "zeros", 4)
+
+
+@pytest.mark.simulated
+def test_refusal_simulated() -> None:
+    with simulated_mesh((2, 2), mesh_dim_names=("t", "h")) as mesh:
+        case_refusal(mesh)
+
+
+def on_gloo() -> None:
+    mesh = worker_mesh((2, 2), mesh_dim_names=("t", "h"))
+    for length, height in GEOMETRIES:
+        case_two_axes(mesh, length, height, "zeros", 5)
+    case_two_axes(mesh, 6, 5, "circular", 6)
+
+
+@pytest.mark.gloo
+def test_two_axes_gloo(gloo: Callable[[int], Any]) -> None:
+    assert dist.is_available()
+    gloo(4).run(on_gloo, timeout=300)
