@@ -220,9 +220,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLik
     grp = _comm.resolve_group(group)
     _agree((q, k, v), ("q", "k", "v"), dim, grp, global_length, 1, problem)
     k_all, v_all = _gather((k, v), dim, grp, global_length, 1)
-    if enabled_local_tensor_mode() is not None:
-        # LocalTensorMode picks the SDPA kernel once for all simulated ranks; the CPU flash
-        # kernel divides by zero on a rank without queries, so spell the math out there.
+    return sdpa(q, k_all, v_all, scale)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+         ) -> torch.Tensor:
+    """Unmasked attention of local queries over gathered keys and values.
+
+    LocalTensorMode picks the SDPA kernel once for all simulated ranks, and the CPU flash
+    kernel divides by zero on a rank without queries: the math is spelled out there."""
+    if enabled_local_tensor_mode() is not None or q.shape[-2] == 0:
         s = scale if scale is not None else q.shape[-1] ** -0.5
-        return torch.softmax(q @ k_all.transpose(-2, -1) * s, dim=-1) @ v_all
-    return F.scaled_dot_product_attention(q, k_all, v_all, scale=scale)
+        return torch.softmax(q @ k.transpose(-2, -1) * s, dim=-1) @ v
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)

@@ -33,6 +33,7 @@ from haloshard._exchange import (
     prepare_halo,
 )
 from haloshard._layout import with_spare_slice
+from haloshard._specs import halo_supplies_padding
 
 _conv = torch.ops.aten.convolution.default
 _conv_backward = torch.ops.aten.convolution_backward.default
@@ -404,7 +405,8 @@ def _conv_problem(
     reach = args[2][along] * (weight.shape[dim] - 1)
     if not all(isinstance(v, int) for v in (left, right)):
         return None, args  # the exchange names a bad halo itself
-    if args[0][along] != 1 or args[1][along] != 0 or left + right != reach:
+    if not halo_supplies_padding(args[0][along], args[1][along], args[2][along],
+                                 weight.shape[dim], left, right):
         return (f"halo_conv along dim {dim} needs stride 1 and padding 0 there and "
                 f"left + right = dilation * (kernel - 1) = {reach}; got stride {stride}, "
                 f"padding {padding}, left={left}, right={right}"), None

@@ -76,6 +76,7 @@ from haloshard._redistribute import (
     torch_redistribute,
     unwrap,
 )
+from haloshard._specs import halo_supplies_padding
 
 aten = torch.ops.aten
 
@@ -269,7 +270,8 @@ def _check_conv(x: DTensor, weight: object, bias: object, conv: tuple[Any, ...])
     s = p.dim - 2
     assert isinstance(weight, DTensor)
     span = dilation[s] * (weight.shape[p.dim] - 1)
-    if transposed or p.dim < 2 or stride[s] != 1 or padding[s] != 0 or p.left + p.right != span:
+    if transposed or p.dim < 2 or not halo_supplies_padding(
+            stride[s], padding[s], dilation[s], weight.shape[p.dim], p.left, p.right):
         raise unsupported(op, x.placements, (
             f" with stride {list(stride)}, padding {list(padding)}, dilation {list(dilation)}, "
             f"transposed={transposed}: along dim {p.dim} the halo must supply the padding "

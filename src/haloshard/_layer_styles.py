@@ -41,10 +41,9 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _segments
-from haloshard._attention import gather_many
+from haloshard._attention import gather_many, sdpa
 from haloshard._compat import (
     LocalTensor,
-    enabled_local_tensor_mode,
     local_tensors,
     maybe_run_for_local_tensor,
     tree_flatten,
@@ -309,12 +308,7 @@ class _TokenAttention(TorchFunctionMode):
         # per-rank length is not supported under LocalTensorMode.
         k_all, v_all = gather_many((k, v), k.ndim - 2, group, global_length=frames,
                                    frame=self.frame)
-        if enabled_local_tensor_mode() is not None or q.shape[-2] == 0:
-            # As in haloshard.attention: LocalTensorMode picks one SDPA kernel for all
-            # simulated ranks, and the CPU flash kernel divides by zero on an idle rank.
-            s = scale if scale is not None else q.shape[-1] ** -0.5
-            return torch.softmax(q @ k_all.transpose(-2, -1) * s, dim=-1) @ v_all
-        return F.scaled_dot_product_attention(q, k_all, v_all, scale=scale)
+        return sdpa(q, k_all, v_all, scale)
 
 
 @maybe_run_for_local_tensor

@@ -203,6 +203,18 @@ class ResampleStencil:
 STENCILS = (ConvStencil, TransposeStencil, ResampleStencil)
 
 
+def halo_supplies_padding(stride: int, padding: int, dilation: int, kernel: int, left: int,
+                          right: int) -> bool:
+    """The rule of a conv run on a halo'd chunk: along the sharded dim it has stride 1 and
+    no padding of its own, and the halo is exactly its reach, `dilation * (kernel - 1)`.
+
+    Example::
+        >>> halo_supplies_padding(1, 0, 2, 3, 4, 0), halo_supplies_padding(1, 1, 1, 3, 1, 1)
+        (True, False)
+    """
+    return stride == 1 and padding == 0 and left + right == dilation * (kernel - 1)
+
+
 def is_stencil(spec: object) -> bool:
     """Whether `spec` implements the `Stencil` protocol (a user's own layer kind included):
     `pad`, `fill`, `min_input`, `out_length` and `window`, hashable (plans cache on it).
