@@ -582,3 +582,19 @@ def test_replicated_args_simulated() -> None:
     # hashes per-rank strides; the gloo runs take uneven and empty chunks
     with simulated_mesh(3) as mesh:
         case_replicated_args(mesh, 6)
+
+
+class MixesAChunk(nn.Module):
+    def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return x * other
+
+
+@pytest.mark.simulated
+def test_replicated_args_refuses_a_plain_chunk_simulated() -> None:
+    """A plain tensor spanning the sharded dim may be a local chunk: taking it as replicated
+    would be silently wrong, so it raises, naming the shapes."""
+    with simulated_mesh(2) as mesh:
+        module = parallelize_module(MixesAChunk(), mesh, ReplicatedArgsParallel())
+        x, _ = sharded(mesh, seeded_randn((1, 2, 6, 3), 1).double())
+        with pytest.raises(HaloError, match=r"plain tensor of shape \(1, 2, 3, 3\) spans "):
+            module(x, torch.ones(1, 2, 3, 3, dtype=torch.float64))

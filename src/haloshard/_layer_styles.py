@@ -659,15 +659,28 @@ def _on_first(t: torch.Tensor, first: bool) -> torch.Tensor:
 
 
 class _Replicating(TorchFunctionMode):
-    """Plain tensors that meet a DTensor in one op are taken as replicated (`_AsReplicate`)."""
+    """Plain tensors that meet a DTensor in one op are taken as replicated (`_AsReplicate`).
+    One that spans the sharded dim (more than one slice along it, at the DTensor's rank)
+    could be a local chunk, which taken as replicated would be silently wrong: it raises."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         flat, spec = tree_flatten((args, kwargs))
-        mesh = next((t.device_mesh for t in flat if isinstance(t, DTensor)), None)
-        if mesh is not None and any(_plain(t) for t in flat):
-            flat = [_AsReplicate.apply(t, mesh) if _plain(t) else t for t in flat]
+        dt = next((t for t in flat if isinstance(t, DTensor)), None)
+        if dt is not None and any(_plain(t) for t in flat):
+            for t in flat:
+                if _plain(t) and t.ndim == dt.ndim and t.shape[self.dim] > 1:
+                    raise HaloError(
+                        f"ReplicatedArgsParallel: a plain tensor of shape {tuple(t.shape)} "
+                        f"spans the sharded dim {self.dim} of a DTensor of shape "
+                        f"{tuple(dt.shape)} in {getattr(func, '__name__', func)}; expected "
+                        "per-sample tensors (size 1 along it), or pass it as a DTensor")
+            flat = [_AsReplicate.apply(t, dt.device_mesh) if _plain(t) else t for t in flat]
             args, kwargs = tree_unflatten(flat, spec)
         return func(*args, **kwargs)
 
@@ -688,7 +701,7 @@ class _ReplicatedArgsForward(_LocalForward):
             raise HaloError(f"ReplicatedArgsParallel takes tensors as replicated, so its "
                             f"input must be Replicate beside Shard({self.dim}), got "
                             f"{tuple(x.placements)}")
-        with _Replicating():
+        with _Replicating(self.dim):
             return self.original(x, *args, **kwargs)
 
 
