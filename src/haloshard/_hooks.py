@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -72,7 +72,6 @@ from haloshard._varlen import active_boundaries, varlen_conv
 # How a module runs on its window: `local(forward, window, *args, **kwargs) -> output`.
 LocalRun = Callable[..., Any]
 _ANNOTATION = "_haloshard_annotation"
-# True while a halo module's forward runs: halo modules nested in it pass through.
 # How much faster (summed over ranks) exchange-first must be to replace the overlapped conv:
 # it holds an input-sized window more, and a smaller difference is within the run-to-run
 # noise of one timed forward on a shared CPU (3% or more).
@@ -201,8 +200,7 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
                                   overlap=overlap if known else False,
                                   watch=(annotation.spec is None and not known
                                          and isinstance(module, DERIVABLE)),
-                                  name=module_name(module), local=local)
-    module.forward.known = known
+                                  name=module_name(module), local=local, known=known)
     handle = HaloHandle(module, saved, previous)
     setattr(module, _HANDLE, handle)
     return handle
@@ -217,12 +215,12 @@ class _HaloForward(ShardedForward):
     def __init__(self, module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None,
                  saved: dict[str, Any], previous: Callable[..., Any] | None, *,
                  overlap: bool | None = None, watch: bool = False, name: str = "",
-                 local: LocalRun | None = None) -> None:
+                 local: LocalRun | None = None, known: bool = False) -> None:
         super().__init__(module, annotation.dim, mesh)
         self.annotation, self.saved, self.previous = annotation, saved, previous
         self.overlap, self.watch, self.local = overlap, watch, local
         self.name = name or type(module).__name__
-        self.known = False  # torch's own forward for its kind (set by `attach`)
+        self.known = known  # the module runs torch's own forward for its kind
         self.fresh()
 
     def fresh(self) -> None:
@@ -271,7 +269,7 @@ class _HaloForward(ShardedForward):
         the window with its padding removed along each dim; each dim keeps this rank's
         outputs. Only layers whose halo is derived (convs, pooling, resampling)."""
         module, annotation = self.module, self.annotation
-        if (annotation.spec is not None or self.watch or not self.known
+        if (annotation.spec is not None or not self.known
                 or not isinstance(module, DERIVABLE) or self.local is not None
                 or active_boundaries() is not None):
             dims = [annotation.dim, *(d for _, d in site.others)]
@@ -287,16 +285,13 @@ class _HaloForward(ShardedForward):
             sub = replace(site, local=x, axis=axis, dim=d)
             x = _window(sub, plan, Annotation(None, d, stencil), None)
             plans.append((axis, d, plan))
-        token, before = _INSIDE.set(True), {}
+        token = _INSIDE.set(True)
         try:
-            for _, d in site.others:  # padding removed along each (the first at attach)
-                for name, value in local_attrs(module, d).items():
-                    before.setdefault(name, getattr(module, name))
-                    setattr(module, name, value)
-            y = self.original(x, *args, **kwargs)
+            with ExitStack() as stack:
+                for _, d in site.others:  # padding removed along each (the first at attach)
+                    stack.enter_context(_swapped(module, local_attrs(module, d)))
+                y = self.original(x, *args, **kwargs)
         finally:
-            for name, value in before.items():
-                setattr(module, name, value)
             _INSIDE.reset(token)
         return _several_output(y, site, plans)
 
@@ -584,14 +579,13 @@ def _several_output(y: Any, site: _Site, plans: list[tuple[int, int, WindowPlan]
     if not isinstance(y, torch.Tensor) or isinstance(y, DTensor):
         raise HaloError(f"a halo module must return a plain tensor from its local forward, "
                         f"got {type(y).__name__}")
-    shape = list(_global_shape(y, site, site.dim, plans[0][2].out_length))
+    shape = list(site.shape)
     for axis, d, plan in plans:
         start, length = _pick(site.mesh.get_local_rank(axis), plan.out_start, plan.out_len)
         y = y.narrow(d, start, length)
         shape[d] = plan.out_length
-    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    return DTensor.from_local(y, site.mesh, site.placements, run_check=False,
-                              shape=torch.Size(shape), stride=stride)
+    # the other sharded dims' global lengths are the output's: `rewrap` reads them there
+    return rewrap(y, replace(site, shape=tuple(shape)), site.dim, shape[site.dim])
 
 
 def rewrap(y: torch.Tensor, site: _Site, dim: int, length: int) -> Any:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
@@ -695,12 +695,13 @@ class _ReplicatedArgsForward(_LocalForward):
     def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(x, DTensor):
             return self.original(x, *args, **kwargs)  # plain chunks: nothing is mixed
-        site = _dtensor_site(x, self.dim)
-        if any(not isinstance(p, Replicate) for a, p in enumerate(x.placements)
-               if a != site.axis):
+        placements = list(x.placements)
+        if (placements.count(Shard(self.dim)) != 1
+                or any(p != Shard(self.dim) and not isinstance(p, Replicate)
+                       for p in placements)):
             raise HaloError(f"ReplicatedArgsParallel takes tensors as replicated, so its "
-                            f"input must be Replicate beside Shard({self.dim}), got "
-                            f"{tuple(x.placements)}")
+                            f"input must be Shard({self.dim}) on one mesh axis and "
+                            f"Replicate on the others, got {tuple(x.placements)}")
         with _Replicating(self.dim):
             return self.original(x, *args, **kwargs)
 
