@@ -143,19 +143,22 @@ def _group_stats(mean_c: torch.Tensor, m2_c: torch.Tensor, per_channel: Any,
 def _segment_stats(xf: torch.Tensor, num_groups: int, seg: Segments) -> torch.Tensor:
     """`_local_stats` per (batch, segment): each local slice along `seg.dim` counts in the
     segment `seg.ids` gives it; a segment with no local slice has count 0."""
-    rest = tuple(i for i in range(2, xf.ndim) if i != seg.dim)
-    per_slice = math.prod(xf.shape[i] for i in rest)
-    sums = xf.sum(rest) if rest else xf  # (B, C, T_r)
+    per_slice = math.prod(n for i, n in enumerate(xf.shape) if i >= 2 and i != seg.dim)
     count = torch.zeros(seg.count, dtype=xf.dtype, device=xf.device).index_add_(
         0, seg.ids, torch.ones_like(seg.ids, dtype=xf.dtype)) * per_slice  # (S,)
-    mean_c = sums.new_zeros(*sums.shape[:2], seg.count).index_add_(2, seg.ids, sums)
-    mean_c = mean_c / count.clamp(min=1.0)
-    dev = (xf - _at_slices(mean_c, seg, xf.ndim)) ** 2
-    m2_c = mean_c.new_zeros(mean_c.shape).index_add_(2, seg.ids, dev.sum(rest) if rest else dev)
+    mean_c = _per_segment(xf, seg) / count.clamp(min=1.0)
+    m2_c = _per_segment((xf - _at_slices(mean_c, seg, xf.ndim)) ** 2, seg)
     rows = (mean_c, m2_c)  # (B, C, S) -> (B * S, C): segments as extra batch rows
     mean_c, m2_c = (t.movedim(2, 1).flatten(0, 1) for t in rows)
     per_channel = count.repeat(xf.shape[0]).unsqueeze(-1)
     return _group_stats(mean_c, m2_c, per_channel, num_groups)
+
+
+def _per_segment(t: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """`(B, C, ...) -> (B, C, S)`: per-channel sums of `t` over each segment's slices."""
+    rest = tuple(i for i in range(2, t.ndim) if i != seg.dim)
+    sums = t.sum(rest) if rest else t  # (B, C, T_r)
+    return sums.new_zeros(*sums.shape[:2], seg.count).index_add_(2, seg.ids, sums)
 
 
 def _at_slices(t: torch.Tensor, seg: Segments, ndim: int) -> torch.Tensor:
@@ -181,10 +184,7 @@ def _segment_sums(t: torch.Tensor, within: tuple[int, ...], seg: Segments | None
     """Per-channel sums of `t` over `within`, `(B, C)`; with segments `(B * S, C)`."""
     if seg is None:
         return t.sum(within)
-    rest = tuple(i for i in within if i != seg.dim)
-    sums = t.sum(rest) if rest else t  # (B, C, T_r)
-    per_seg = sums.new_zeros(*sums.shape[:2], seg.count).index_add_(2, seg.ids, sums)
-    return per_seg.movedim(2, 1).flatten(0, 1)
+    return _per_segment(t, seg).movedim(2, 1).flatten(0, 1)
 
 
 def _combine(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
