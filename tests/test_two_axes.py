@@ -25,7 +25,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from haloshard import GroupNormParallel, HaloError, HaloParallel, HaloShard, reduce_grads
+from haloshard import (
+    CausalConvParallel,
+    FirstFrameParallel,
+    GroupNormParallel,
+    HaloError,
+    HaloParallel,
+    HaloShard,
+    LocalParallel,
+    reduce_grads,
+)
 from haloshard.testing import (
     seeded_module,
     seeded_randn,
@@ -81,26 +90,93 @@ def case_two_axes(mesh: DeviceMesh, length: int, height: int, pad_mode: str, see
 
 
 class Causal(nn.Module):
-    """A causal wrapper: pads T itself, then a conv (3x3 spatially)."""
+    """A causal wrapper: pads T itself (`mode`), then a conv (3x3 spatially, zero padding
+    of its own, or `F.pad` of H too with `pad_h`), any stride on T."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "constant", stride: int = 1, pad_h: bool = False) -> None:
         super().__init__()
-        self.conv = nn.Conv3d(2, 2, 3, padding=(0, 1, 1))
+        self.mode, self.pad_h = mode, pad_h
+        self.conv = nn.Conv3d(2, 2, 3, stride=(stride, 1, 1),
+                              padding=(0, 0 if pad_h else 1, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(torch.nn.functional.pad(x, (0, 0, 0, 0, 2, 0)))
+        h = 1 if self.pad_h else 0
+        return self.conv(torch.nn.functional.pad(x, (0, 0, h, h, 2, 0), mode=self.mode))
+
+
+class TimeDown(nn.Module):
+    """Keep the first frame, average each following pair (per pixel: local along H)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rest = x[:, :, 1:]
+        n = rest.shape[2] // 2 * 2
+        return torch.cat([x[:, :, :1], (rest[:, :, 0:n:2] + rest[:, :, 1:n:2]) / 2], dim=2)
+
+
+def _wrappers(seed: int) -> nn.Module:
+    return seeded_module(nn.Sequential(
+        Causal(),                                   # explicit spec: T zeros, H from its conv
+        Causal("replicate", stride=2),              # CausalConvParallel, stride 2 on T
+        nn.Conv3d(2, 2, 1),                         # LocalParallel: per-slice along T and H
+        TimeDown(),                                 # FirstFrameParallel, local along H
+    ), seed).double()
+
+
+def _wrapper_plan() -> dict[str, Any]:
+    return {"0": HaloParallel(HaloShard(2, left=2)), "1": CausalConvParallel(),
+            "2": LocalParallel(), "3": FirstFrameParallel(2, "down", even="first", local_dims=(3,))}
+
+
+def case_wrappers(mesh: DeviceMesh, length: int, height: int, seed: int) -> None:
+    """Causal wrappers (explicit spec, CausalConvParallel), a 1x1 conv and a first-frame
+    resampler on T+H: the wrappers' T halo from their spec, their H halo from the one conv
+    inside; the others run on the H chunk."""
+    check_two_axes(mesh, _wrappers(seed), _wrapper_plan(), (1, 2, length, height, 3), seed)
+
+
+def check_two_axes(mesh: DeviceMesh, model: nn.Module, plan: dict[str, Any],
+                   shape: tuple[int, ...], seed: int) -> None:
+    placements = [Shard(2), Shard(3)]
+    with single_device():
+        full = seeded_randn(shape, seed)
+        twin = copy.deepcopy(model)
+        x_ref = full.clone().requires_grad_()
+        y_ref = twin(x_ref)
+        gy = seeded_randn(tuple(y_ref.shape), seed + 1)
+        (y_ref * gy).sum().backward()
+    parallelize_module(model, mesh["t"], plan)
+    x = distribute_tensor(full, mesh, placements).requires_grad_()
+    y = model(x)
+    assert isinstance(y, DTensor) and tuple(y.placements) == tuple(placements)
+    assert y.shape == y_ref.shape, (y.shape, y_ref.shape)
+    torch.testing.assert_close(y.full_tensor(), y_ref.detach(), **TOL)
+    (y * distribute_tensor(gy, mesh, placements)).sum().backward()
+    torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad, **TOL)
+    for axis in ("t", "h"):
+        reduce_grads(model, mesh, mesh_axis=axis)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        got = DTensor.from_local(p.grad, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        torch.testing.assert_close(got.full_tensor(), q.grad, **TOL)
 
 
 def case_refusal(mesh: DeviceMesh) -> None:
-    """A layer with an explicit spec (a wrapper padding T itself) cannot take H's halo: it
-    raises, naming the dims, instead of running on a window without it."""
+    """What cannot take H's halo raises, naming the dim, instead of running on a window
+    without it: a wrapper that pads H itself, a module not known to be per-slice along H."""
     with single_device():
-        conv = Causal().double()
         full = seeded_randn((1, 2, 4, 4, 4), 1)
-    parallelize_module(conv, mesh["t"], HaloParallel(HaloShard(2, left=2)))
     x = distribute_tensor(full, mesh, [Shard(2), Shard(3)])
-    with pytest.raises(HaloError, match=r"sharded on dims \[2, 3\] needs a layer whose halo"):
-        conv(x)
+    padded = Causal(pad_h=True).double()
+    parallelize_module(padded, mesh["t"], HaloParallel(HaloShard(2, left=2)))
+    with pytest.raises(HaloError, match=r"pads dim 3 itself"):
+        padded(x)
+    down = TimeDown()
+    parallelize_module(down, mesh["t"], FirstFrameParallel(2, "down", even="first"))
+    with pytest.raises(HaloError, match=r"also sharded on dim 3.*local_dims=\(3,\)"):
+        down(x)
+    norm = TimeDown()
+    parallelize_module(norm, mesh["t"], LocalParallel())
+    with pytest.raises(HaloError, match=r"also sharded on dim 3.*local_dims=\(3,\)"):
+        norm(x)
 
 
 # (T, H): uneven on both; a chunk shorter than kernel 5's halo of 2; an empty shard on t;
@@ -125,6 +201,13 @@ def test_with_dp_axis_simulated() -> None:
 
 
 @pytest.mark.simulated
+@pytest.mark.parametrize(("length", "height"), [(7, 4), (9, 6)])
+def test_wrappers_simulated(length: int, height: int) -> None:
+    with simulated_mesh((2, 2), mesh_dim_names=("t", "h")) as mesh:
+        case_wrappers(mesh, length, height, 7)
+
+
+@pytest.mark.simulated
 def test_refusal_simulated() -> None:
     with simulated_mesh((2, 2), mesh_dim_names=("t", "h")) as mesh:
         case_refusal(mesh)
@@ -135,6 +218,9 @@ def on_gloo() -> None:
     for length, height in GEOMETRIES:
         case_two_axes(mesh, length, height, "zeros", 5)
     case_two_axes(mesh, 6, 5, "circular", 6)
+    for length, height in [(7, 5), (3, 3), (9, 1)]:  # uneven, one frame or row on a rank
+        case_wrappers(mesh, length, height, 8)
+    case_refusal(mesh)
 
 
 @pytest.mark.gloo

@@ -53,6 +53,7 @@ from haloshard._forward import INSIDE as _INSIDE
 from haloshard._layout import HaloShard, check_pad_fits, shard_size_and_offset, shard_sizes
 from haloshard._specs import (
     _CONVS,
+    _SPATIAL,
     _TRANSPOSED,
     DERIVABLE,
     STENCILS,
@@ -211,6 +212,8 @@ class _HaloForward(ShardedForward):
     `halo_conv`), keep this rank's outputs (see the module docstring)."""
 
     copied = ("module", "saved", "previous")
+    # a causal wrapper around one conv (`CausalConvParallel`): see `across`
+    wraps_one_conv = False
 
     def __init__(self, module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None,
                  saved: dict[str, Any], previous: Callable[..., Any] | None, *,
@@ -221,6 +224,8 @@ class _HaloForward(ShardedForward):
         self.overlap, self.watch, self.local = overlap, watch, local
         self.name = name or type(module).__name__
         self.known = known  # the module runs torch's own forward for its kind
+        # other sharded dims the module treats slice by slice (no halo along them)
+        self.per_slice: tuple[int, ...] = ()
         self.fresh()
 
     def fresh(self) -> None:
@@ -267,33 +272,76 @@ class _HaloForward(ShardedForward):
         each in turn, so the second exchange also moves the first one's halo slices (the
         corners a 3x3x3 kernel reads from its diagonal neighbour); the module runs once on
         the window with its padding removed along each dim; each dim keeps this rank's
-        outputs. Only layers whose halo is derived (convs, pooling, resampling)."""
-        module, annotation = self.module, self.annotation
-        if (annotation.spec is not None or not self.known
-                or not isinstance(module, DERIVABLE) or self.local is not None
-                or active_boundaries() is not None):
-            dims = [annotation.dim, *(d for _, d in site.others)]
-            raise HaloError(f"an input sharded on dims {dims} needs a layer whose halo along "
-                            "each is derived (a conv, pooling or resampling with torch's own "
-                            "forward), not an explicit spec, a local= rule or packed "
-                            "documents")
+        outputs. Along the other dims the stencil is `across`'s; a dim the layer treats
+        slice by slice takes no halo. Agreed once per input signature, as one dim is."""
+        if active_boundaries() is not None:
+            raise HaloError("packed documents (haloshard.packed) need an input sharded on "
+                            f"one dim, got one sharded on dims "
+                            f"{[site.dim, *(d for _, d in site.others)]}")
+        across = {d: self.across(d, site.local.ndim) for _, d in site.others}
+        reuse, uniform = self.reuse(site), enabled_local_tensor_mode() is not None
         x, plans = site.local, []
-        uniform = enabled_local_tensor_mode() is not None
-        for axis, d in ((site.axis, annotation.dim), *site.others):
-            stencil = annotation.stencil if d == annotation.dim else derive_stencil(module, d)
+        for axis, d in ((site.axis, site.dim), *site.others):
+            found = across.get(d)
+            stencil = self.annotation.stencil if d == site.dim else found and found[0]
+            if stencil is None:  # slice by slice along d: the local chunk is its window
+                continue
             plan = plan_windows(stencil, site.shape[d], site.mesh.size(axis), uniform=uniform)
-            sub = replace(site, local=x, axis=axis, dim=d)
-            x = _window(sub, plan, Annotation(None, d, stencil), None)
+            x = _window(replace(site, local=x, axis=axis, dim=d), plan,
+                        Annotation(None, d, stencil), reuse)
             plans.append((axis, d, plan))
+        y = self.run_across(x, across, *args, **kwargs)
+        if isinstance(y, torch.Tensor) and self.annotation.spec is not None:
+            sizes = tuple(n + z for n, z in zip(plans[0][2].win_len, plans[0][2].win_zeros,
+                                                strict=True))
+            _check_length(site.mesh.get_local_rank(site.axis), y.shape[site.dim], sizes,
+                          self.annotation.spec)
+        return _several_output(y, site, plans, per_slice=[d for d, f in across.items()
+                                                          if f is None])
+
+    def across(self, d: int, ndim: int) -> tuple[Stencil, nn.Module] | None:
+        """The layer's stencil along `d`, a second sharded dim, and the module whose padding
+        along `d` the halo replaces; None for a dim in `per_slice` (no halo). A conv,
+        pooling or resampling with torch's own forward gives its own; a causal wrapper
+        (explicit spec, or `CausalConvParallel`) the one conv inside it, which must take
+        the wrapper's input as it is (any `F.pad` or `torch.cat` of `d` raises at run time).
+        """
+        if d in self.per_slice:
+            return None
+        module = self.module
+        own = self.annotation.spec is None and not self.wraps_one_conv
+        convs = [module] if own else [m for m in module.modules() if isinstance(m, DERIVABLE)]
+        kind = _SPATIAL.get(type(convs[0])) if convs else None  # conv1d/2d/3d: 1/2/3
+        ok = (len(convs) == 1 and self.local is None and isinstance(convs[0], DERIVABLE)
+              and (self.known if convs[0] is module else known_forward(convs[0]))
+              and (kind is None or kind + 2 == ndim))
+        if not ok:
+            raise HaloError(
+                f"{self.name} got an input also sharded on dim {d}: expected a layer whose "
+                f"halo along dim {d} is known: a conv, pooling or resampling with torch's own "
+                "forward, a causal wrapper around one such conv (explicit spec or "
+                f"CausalConvParallel), or a style told the layer is per-slice along dim {d} "
+                f"(local_dims=({d},)); it has no local= rule")
+        return derive_stencil(convs[0], d), convs[0]
+
+    def run_across(self, x: torch.Tensor, across: dict[int, tuple[Stencil, nn.Module] | None],
+                   *args: Any, **kwargs: Any) -> Any:
+        """The module on its window, with no padding of its own along any sharded dim."""
+        annotation = self.annotation
         token = _INSIDE.set(True)
         try:
             with ExitStack() as stack:
-                for _, d in site.others:  # padding removed along each (the first at attach)
-                    stack.enter_context(_swapped(module, local_attrs(module, d)))
-                y = self.original(x, *args, **kwargs)
+                for d, found in across.items():
+                    if found is not None:
+                        stack.enter_context(_swapped(found[1], local_attrs(found[1], d)))
+                    # padding d any other way would shift the halo (or pad a chunk's edge)
+                    stack.enter_context(_NoPadAlong(d, None, x, watch=True))
+                stack.enter_context(_NoPadAlong(annotation.dim, annotation.spec, x,
+                                                watch=self.watch))
+                return (self.original(x, *args, **kwargs) if self.local is None
+                        else self.local(self.original, x, *args, **kwargs))
         finally:
             _INSIDE.reset(token)
-        return _several_output(y, site, plans)
 
     def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
                        **kwargs: Any) -> Any:
@@ -573,19 +621,30 @@ def _output(y: torch.Tensor, site: _Site, plan: WindowPlan, annotation: Annotati
     return rewrap(y, site, dim, plan.out_length)
 
 
-def _several_output(y: Any, site: _Site, plans: list[tuple[int, int, WindowPlan]]) -> Any:
-    """Narrow along each sharded dim to this rank's outputs; a DTensor with the global
-    output shape on the input's mesh and placements."""
+def _several_output(y: Any, site: _Site, plans: list[tuple[int, int, WindowPlan]], *,
+                    per_slice: list[int]) -> Any:
+    """Narrow along each dim with a halo to this rank's outputs (a dim taken slice by slice
+    must keep its length); a DTensor with the global output shape on the input's mesh and
+    placements."""
     if not isinstance(y, torch.Tensor) or isinstance(y, DTensor):
         raise HaloError(f"a halo module must return a plain tensor from its local forward, "
                         f"got {type(y).__name__}")
     shape = list(site.shape)
+    for d in per_slice:
+        _check_kept(y.shape[d], site.local.shape[d], d)
     for axis, d, plan in plans:
         start, length = _pick(site.mesh.get_local_rank(axis), plan.out_start, plan.out_len)
         y = y.narrow(d, start, length)
         shape[d] = plan.out_length
     # the other sharded dims' global lengths are the output's: `rewrap` reads them there
     return rewrap(y, replace(site, shape=tuple(shape)), site.dim, shape[site.dim])
+
+
+@maybe_run_for_local_tensor
+def _check_kept(got: int, expected: int, dim: int) -> None:
+    if got != expected:
+        raise HaloError(f"a module taken as per-slice along dim {dim} (local_dims) returned "
+                        f"{got} slices along it from a chunk of {expected}; expected the same")
 
 
 def rewrap(y: torch.Tensor, site: _Site, dim: int, length: int) -> Any:

@@ -73,17 +73,24 @@ from haloshard._layout import HaloShard, PadMode, lack, shard_sizes, with_spare_
 from haloshard._norms import group_norm
 from haloshard._specs import (
     _CONVS,
+    _SPATIAL,
     DERIVABLE,
     ConvStencil,
     ResampleStencil,
     Stencil,
     conv_padding,
     derive_stencil,
+    known_forward,
     spatial_index,
 )
 
-
 # ---------------------------------------------------------------- local forward machinery
+# The sites of the attention blocks running now (innermost last): a plain tensor a planned
+# module meets inside one is a chunk of its input's layout (T, or T and H, sharded). A
+# plain stack, not a ContextVar, which torch.compile cannot trace.
+_ENCLOSING: list[_Site] = []
+
+
 class _LocalForward(ShardedForward):
     """The strategy of a per-slice module: it runs on the local chunk of a `Shard(dim)`
     input. DTensor in: the output comes back as a DTensor on the input's mesh and
@@ -92,10 +99,22 @@ class _LocalForward(ShardedForward):
     ops pass through; anything with global statistics raises (see subclasses)."""
 
     style = "LocalParallel"
+    local_dims: tuple[int, ...] = ()  # other dims the module treats slice by slice
 
     def site(self, x: torch.Tensor) -> _Site:
         if isinstance(x, DTensor):
-            return _dtensor_site(x, self.dim)
+            site = _dtensor_site(x, self.dim, several=True)
+            along = [d for _, d in site.others if d not in self.local_dims]
+            if along:
+                raise HaloError(f"{self.style} got an input also sharded on dim {along[0]}, "
+                                f"but {self.name or type(self.module).__name__} is not known "
+                                f"to treat slices along it alone; expected local_dims="
+                                f"({along[0]},) for a module that does (a 1x1 conv is found "
+                                "by itself)")
+            return site
+        if _ENCLOSING and x.ndim == _ENCLOSING[-1].local.ndim:
+            # a chunk of the enclosing attention block's input: its mesh axes and lengths
+            return replace(_ENCLOSING[-1], local=x, placements=None)
         if self.mesh is None or self.mesh.ndim != 1:
             raise HaloError(f"{self.style} got a plain tensor and needs a 1-D mesh for it, got "
                             f"{self.mesh}; pass a DTensor or apply it to the cp sub-mesh")
@@ -111,8 +130,15 @@ class _LocalForward(ShardedForward):
             x = _equal_chunks(x, self.dim, site)
         elif isinstance(n, torch.SymInt) or n == 0:
             x = with_spare_slice(x, self.dim)
+        # the same along a second sharded dim (H): a rank may hold no row
+        spare = [d for _, d in site.others if isinstance(site.local.shape[d], int)
+                 and site.local.shape[d] == 0]
+        for d in spare:
+            x = with_spare_slice(x, d)
         y = self.original(x, *args, **kwargs)
         _check_same_length(y.shape[self.dim], x.shape[self.dim], self.style, self.dim)
+        for d in spare:
+            y = y.narrow(d, 0, 0)
         return y.narrow(self.dim, 0, n) if x is not site.local else y
 
     def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -158,6 +184,9 @@ class LocalParallel(ParallelStyle):
 
     Args:
         dim: the sharded dim of the module's input.
+        local_dims: other dims the module treats slice by slice, so that its input may be
+            sharded on them too (T and H at once); found by itself for a conv or pooling
+            with torch's own forward and kernel 1 along them.
         input_layouts, output_layouts, use_local_output: as for `HaloParallel` (input
             `Shard(dim)`; output `Shard(dim)` or `Replicate()`; the local tensor out).
 
@@ -173,11 +202,13 @@ class LocalParallel(ParallelStyle):
 
     forward_type: type[_LocalForward] = _LocalForward
 
-    def __init__(self, *, dim: int = 2, input_layouts: Placement | None = None,
+    def __init__(self, *, dim: int = 2, local_dims: tuple[int, ...] = (),
+                 input_layouts: Placement | None = None,
                  output_layouts: Placement | None = None, use_local_output: bool = False
                  ) -> None:
         super().__init__()
         self.dim = dim
+        self.local_dims = _local_dims(local_dims, dim, type(self).__name__)
         check_layouts(type(self).__name__, dim, input_layouts, output_layouts)
         self.output_layouts, self.use_local_output = output_layouts, use_local_output
 
@@ -199,9 +230,35 @@ class LocalParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module)
-        install(module, self.forward_type(module, self.dim, device_mesh))
+        forward = self.forward_type(module, self.dim, device_mesh)
+        forward.local_dims = self.local_dims + _per_slice_dims(module, self.dim)
+        install(module, forward)
         output_layouts(module, self.dim, self.output_layouts, self.use_local_output)
         return module
+
+
+def _local_dims(dims: tuple[int, ...], dim: int, style: str) -> tuple[int, ...]:
+    if not (isinstance(dims, tuple) and all(isinstance(d, int) and d >= 2 and d != dim
+                                            for d in dims)):
+        raise HaloError(f"{style} takes local_dims as a tuple of spatial dims (>= 2) other "
+                        f"than dim={dim}, got {dims!r}")
+    return dims
+
+
+def _per_slice_dims(module: nn.Module, dim: int) -> tuple[int, ...]:
+    """The spatial dims other than `dim` along which a conv or pooling with torch's own
+    forward reads one slice (kernel 1, stride 1, no padding)."""
+    n = _SPATIAL.get(type(module))
+    if n is None or not known_forward(module):
+        return ()
+    found = []
+    for d in range(2, n + 2):
+        try:
+            if d != dim and derive_stencil(module, d) == ConvStencil(span=1):
+                found.append(d)
+        except HaloError:  # not exact along d at all: not per-slice either
+            pass
+    return tuple(found)
 
 
 # ---------------------------------------------------------------- GroupNorm
@@ -303,12 +360,18 @@ class _TokenAttention(TorchFunctionMode):
                             f", dropout_p={dropout_p}, is_causal={is_causal}, "
                             f"enable_gqa={enable_gqa}")
         _check_tokens(q.shape[-2], self.site.local.shape[self.dim], self.frame)
-        group, frames = (self.site.mesh, self.site.axis), self.site.length
         # Tokens gathered in frames of S, not as a (..., T_r, S, E) view: that reshape of a
-        # per-rank length is not supported under LocalTensorMode.
-        k_all, v_all = gather_many((k, v), k.ndim - 2, group, global_length=frames,
-                                   frame=self.frame)
-        return sdpa(q, k_all, v_all, scale)
+        # per-rank length is not supported under LocalTensorMode. With H sharded too, the
+        # T-gathered tokens are gathered again over H's mesh axis, in frames of the other
+        # dims' sizes (global T): key order does not matter to unmasked attention.
+        site, gathered = self.site, [self.dim]
+        for axis, d in ((site.axis, self.dim), *site.others):
+            frame = math.prod(site.shape[i] if i in gathered and i != d else site.local.shape[i]
+                              for i in range(2, site.local.ndim) if i != d)
+            k, v = gather_many((k, v), k.ndim - 2, (site.mesh, axis),
+                               global_length=site.shape[d], frame=frame)
+            gathered.append(d)
+        return sdpa(q, k, v, scale)
 
 
 @maybe_run_for_local_tensor
@@ -324,13 +387,19 @@ class _AttentionForward(_LocalForward):
     style = "AttentionParallel"
 
     def site(self, x: torch.Tensor) -> _Site:
+        if isinstance(x, DTensor):  # T, H or both sharded: K/V gathered over each
+            return _dtensor_site(x, self.dim, several=True)
         # Plain input: the global T comes from one small all-gather of the chunk lengths.
         return _site(x, self.dim, self.mesh)
 
     def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
         mode = _TokenAttention(site, self.dim)
-        with mode:
-            y = self.original(site.local, *args, **kwargs)
+        _ENCLOSING.append(site)
+        try:
+            with mode:
+                y = self.original(site.local, *args, **kwargs)
+        finally:
+            _ENCLOSING.pop()
         if mode.calls != 1:
             raise HaloError(f"AttentionParallel expects the block to call "
                             f"F.scaled_dot_product_attention once, it called it {mode.calls} "
@@ -386,6 +455,7 @@ class _StripPadForward(_HaloForward):
 
     strip: HaloShard
     active = False
+    wraps_one_conv = True  # a second sharded dim takes the halo of its one conv
 
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         # Nested in another halo module, the wrapper keeps its padding (pass-through).
@@ -583,6 +653,10 @@ class FirstFrameParallel(ParallelStyle):
             frame 0 or every frame repeated (CogVideoX's `DownSample3D` / `Upsample3D`,
             factor 2); None (the default) raises `HaloError` at run time on an even T.
         dim: the sharded dim.
+        local_dims: other dims the module treats slice by slice (each output slice along
+            them reads only the same input slice: pooling or repeating frames), so the
+            input may also be sharded on them (T and H at once); the module then runs on
+            its local chunk along them, with no halo.
         local: how the module runs on its window, `local(forward, window) -> output`, for
             a module whose first-frame rule lives in a protocol of its own rather than in
             one call (Wan's `WanResample` keeps the first frame only when called on it alone,
@@ -600,10 +674,11 @@ class FirstFrameParallel(ParallelStyle):
 
     def __init__(self, factor: int, direction: Literal["down", "up"], *,
                  even: Literal["first", "all"] | None = None, dim: int = 2,
-                 local: LocalRun | None = None) -> None:
+                 local_dims: tuple[int, ...] = (), local: LocalRun | None = None) -> None:
         super().__init__()
         self.stencil = FirstFrameStencil(factor, direction, even=even)
         self.dim, self.local = dim, local
+        self.local_dims = _local_dims(local_dims, dim, "FirstFrameParallel")
 
     def __repr__(self) -> str:
         s = self.stencil
@@ -615,6 +690,9 @@ class FirstFrameParallel(ParallelStyle):
         _check_dim(module, self.dim, "FirstFrameParallel")
         attach(module, Annotation(None, self.dim, self.stencil), device_mesh,
                local=self.local)
+        forward = module.forward
+        assert isinstance(forward, _HaloForward)
+        forward.per_slice = self.local_dims
         return module
 
 
