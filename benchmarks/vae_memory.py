@@ -1,8 +1,9 @@
 """Activation memory per rank of the example causal VAE under context parallelism.
 
 `python -m benchmarks.vae_memory` runs `examples/causal_vae.py`'s model (float64, one
-forward + backward) on 1 device and on P = 2, 4 gloo ranks with T sharded (`--dims 2 3`: T,
-then H, as serving stacks shard decode; `spatial_plan`), and prints per P the largest rank's
+forward + backward) on 1 device and on P = 2, 4 gloo ranks with T sharded (`--dims 2 3 2,3`: T,
+then H, as serving stacks shard decode, `spatial_plan`, then both on a `(P/2, 2)` mesh,
+`time_height_plan`), and prints per P the largest rank's
 activation memory against the single-device run and the bytes it handed to collectives,
 side by side with the largest difference to the single-device results (forward, input and
 parameter gradients).
@@ -43,8 +44,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=8)
     parser.add_argument("--ch", type=int, default=8)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--dims", type=int, nargs="+", default=[2],
-                        help="sharded dims to compare: 2 (T), 3 (H), 4 (W)")
+    parser.add_argument("--dims", nargs="+", default=["2"],
+                        help="sharded dims to compare: 2 (T), 3 (H), 4 (W), 2,3 (T and H "
+                             "on a (P/2, 2) mesh)")
     args = parser.parse_args()
     vae = _example()
     print(f"causal VAE (ch={args.ch}), input (1, 3, {args.frames}, {args.size}, {args.size}) "
@@ -52,14 +54,16 @@ def main() -> None:
     print("| sharded | P | single MiB | max rank MiB | rank / single | 1/P | (1/P)*1.15 "
           "| 1/P+0.15 | max MiB sent | max diff |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for dim in args.dims:
+    for given in args.dims:
+        dims = tuple(int(d) for d in given.split(","))
         for p in args.ranks:
             with GlooWorld(p, timeout=600) as world:
-                rows = world.run(vae.on_rank, args.frames, args.size, 0, args.ch, dim)
+                rows = world.run(vae.on_rank, args.frames, args.size, 0, args.ch,
+                                 dims[0] if len(dims) == 1 else dims)
             single, peak = rows[0]["single MiB"], max(r["saved MiB"] for r in rows)
             diff = max(r[k] for r in rows for k in ("forward", "input grad", "param grads"))
             ratio, sent = peak / single, max(r["sent MiB"] for r in rows)
-            print(f"| {'THW'[dim - 2]} | {p} | {single:.2f} | {peak:.2f} | {ratio:.3f} | "
+            print(f"| {'+'.join('THW'[d - 2] for d in dims)} | {p} | {single:.2f} | {peak:.2f} | {ratio:.3f} | "
                   f"{1 / p:.3f} | "
                   f"{1.15 / p:.3f}{' ok' if ratio <= 1.15 / p else ' MISS'} | "
                   f"{1 / p + 0.15:.3f}{' ok' if ratio <= 1 / p + 0.15 else ' MISS'} | "

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from haloshard import (
@@ -178,6 +178,10 @@ def cp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
         Attention: AttentionParallel, FrameNorm: LocalParallel, nn.Conv3d: LocalParallel,
         TimeDown: lambda: FirstFrameParallel(2, "down", even="first"),
         TimeUp: lambda: FirstFrameParallel(2, "up", even="first")}
+    return _plan_kinds(model, kinds)
+
+
+def _plan_kinds(model: nn.Module, kinds: dict[type, Any]) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {}
     for fqn, module in model.named_modules():
         owner = next((p for p in plan if fqn.startswith(p + ".")), None)
@@ -189,7 +193,8 @@ def cp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
 
 class FrameNormParallel(ParallelStyle):
     """`FrameNorm` with a spatial dim sharded (H for decode): each frame's statistics span
-    every rank's rows, so the frames become the batch of `haloshard.group_norm` (exact).
+    every rank's rows, so the frames become the batch of `haloshard.group_norm` (exact),
+    over the mesh axis that shards `dim` (T may be sharded on another: frames are local).
     A style a user writes for a layer of their own, from the public API."""
 
     def __init__(self, *, dim: int = 3) -> None:
@@ -201,9 +206,10 @@ class FrameNormParallel(ParallelStyle):
 
         def forward(x: DTensor) -> DTensor:
             local = x.to_local()
-            frames = rearrange(local, "b c t h w -> (b t) c h w")  # T is not sharded here
+            frames = rearrange(local, "b c t h w -> (b t) c h w")
+            axis = list(x.placements).index(Shard(self.dim))
             y = group_norm(frames, module.groups, module.weight, module.bias, module.eps,
-                           device_mesh)
+                           (x.device_mesh, axis))
             y = rearrange(y, "(b t) c h w -> b c t h w", b=local.shape[0])
             return DTensor.from_local(y, x.device_mesh, x.placements, shape=x.shape,
                                       stride=x.stride())
@@ -234,6 +240,19 @@ def spatial_plan(model: nn.Module, dim: int = 3) -> dict[str, ParallelStyle]:
                 isinstance(module, nn.Conv3d) and fqn not in plan):
             plan[fqn] = LocalParallel(dim=dim)
     return plan
+
+
+def time_height_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """The same model with T and H sharded at once, on a `(t, h)` mesh: the causal wrappers
+    take their T halo from their padding and their H halo from their conv (corners
+    included), norms combine statistics over both axes, attention gathers K/V over both,
+    the temporal resamplers are local along H and `FrameNorm` is per frame."""
+    kinds: dict[type, Any] = {
+        CausalConv3d: CausalConvParallel, nn.GroupNorm: GroupNormParallel,
+        Attention: AttentionParallel, FrameNorm: FrameNormParallel, nn.Conv3d: LocalParallel,
+        TimeDown: lambda: FirstFrameParallel(2, "down", even="first", local_dims=(3,)),
+        TimeUp: lambda: FirstFrameParallel(2, "up", even="first", local_dims=(3,))}
+    return _plan_kinds(model, kinds)
 
 
 # ---------------------------------------------------------------- measuring
@@ -338,19 +357,53 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().amax().item() if a.numel() else 0.0
 
 
-def on_rank(frames: int, size: int, seed: int, ch: int = 8, dim: int = 2) -> dict[str, float]:
-    """One gloo rank: build, parallelize (T sharded, or H / W with `dim` 3 / 4), compare
-    with the single-device run."""
-    mesh = worker_mesh(dist.get_world_size())
+def sharded_on(model: nn.Module, mesh: DeviceMesh, full: torch.Tensor, ref: dict[str, Any],
+               dims: tuple[int, ...]) -> dict[str, Any]:
+    """`sharded` on a mesh with one axis per sharded dim (T and H at once on `(t, h)`):
+    the local chunks are `distribute_tensor`'s."""
+    placements = [Shard(d) for d in dims]
+    x = distribute_tensor(full, mesh, placements).requires_grad_()
+    gy = distribute_tensor(ref["gy"], mesh, placements)
+    with sent_bytes() as sent, saved_bytes() as mem:
+        y = model(x)
+        assert isinstance(y, DTensor) and tuple(y.placements) == tuple(placements)
+        assert y.shape == ref["y"].shape
+        (y * gy).sum().backward()
+    for axis in range(mesh.ndim):
+        reduce_grads(model, mesh, mesh_axis=axis)
+    return {"y": y.to_local(), "gx": x.grad.to_local(), "bytes": mem["bytes"],
+            "sent": sent["bytes"], "grads": [p.grad for p in model.parameters()]}
+
+
+def on_rank(frames: int, size: int, seed: int, ch: int = 8, dim: int | tuple[int, ...] = 2
+            ) -> dict[str, float]:
+    """One gloo rank: build, parallelize (T sharded, or H / W with `dim` 3 / 4, or T and H
+    at once with `dim=(2, 3)` on a `(P/2, 2)` mesh), compare with the single-device run."""
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    world = dist.get_world_size()
+    mesh = (worker_mesh(world) if len(dims) == 1
+            else worker_mesh((world // 2, 2), mesh_dim_names=("t", "h")))
     model, full = make(frames, size, seed, ch)
     ref = reference(model, full, seed + 1)
     start = time.perf_counter()
-    parallelize_module(model, mesh, cp_plan(model) if dim == 2 else spatial_plan(model, dim))
-    got = sharded(model, mesh, full, ref, dim)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    if dims == (2,):
+        plan = cp_plan(model)
+    elif len(dims) == 1:
+        plan = spatial_plan(model, dims[0])
+    else:
+        plan = time_height_plan(model)
+    parallelize_module(model, mesh if mesh.ndim == 1 else mesh["t"], plan)
+    if len(dims) == 1:
+        got = sharded(model, mesh, full, ref, dims[0])
+        expected = {k: shard(ref[k], dims[0], world, dist.get_rank()) for k in ("y", "gx")}
+    else:
+        got = sharded_on(model, mesh, full, ref, dims)
+        placements = [Shard(d) for d in dims]
+        expected = {k: distribute_tensor(ref[k], mesh, placements).to_local()
+                    for k in ("y", "gx")}
     diff = {
-        "forward": max_diff(got["y"], shard(ref["y"], dim, world, rank)),
-        "input grad": max_diff(got["gx"], shard(ref["gx"], dim, world, rank)),
+        "forward": max_diff(got["y"], expected["y"]),
+        "input grad": max_diff(got["gx"], expected["gx"]),
         "param grads": max(max_diff(g, r) for g, r in zip(got["grads"], ref["grads"],
                                                           strict=True)),
     }
@@ -363,10 +416,14 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--frames", type=int, default=17)
     parser.add_argument("--size", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=2, help="sharded dim: 2 (T), 3 (H), 4 (W)")
+    parser.add_argument("--dim", default="2",
+                        help="sharded dim: 2 (T), 3 (H), 4 (W), or 2,3 (T and H on a "
+                             "(P/2, 2) mesh)")
     args = parser.parse_args()
+    dims = tuple(int(d) for d in args.dim.split(","))
     with GlooWorld(args.ranks, timeout=300) as world:
-        rows = world.run(on_rank, args.frames, args.size, 0, 8, args.dim)
+        rows = world.run(on_rank, args.frames, args.size, 0, 8,
+                         dims[0] if len(dims) == 1 else dims)
     print(f"T={args.frames}, {args.size}x{args.size}, float64, {args.ranks} gloo ranks, "
           f"dim {args.dim} sharded")
     for key in ("forward", "input grad", "param grads"):

@@ -167,6 +167,26 @@ def redistribute_cases_2d() -> list[tuple[object, ...]]:
     ]
 
 
+def redistribute_cases_two_halos() -> list[tuple[object, ...]]:
+    """(t, h) = (2, 2): a HaloShard on each axis, T and H at once (uneven chunks of 5, a
+    halo of 3 slices over chunks of 2 and 3, every pad mode); the H halo is taken over the
+    T-extended chunk, so the corners are held (the reference applies them in that order)."""
+    shape = (1, 2, 5, 5)
+    both = (H(2, 1, 1), H(3, 1, 1))
+    return [
+        (shape, (Shard(2), Shard(3)), (Shard(2), Shard(3)), both),
+        (shape, (Shard(2), Shard(3)), (Shard(2), Shard(3)), (H(2, 3, 0, "replicate"),
+                                                             H(3, 1, 2, "circular"))),
+        (shape, (Replicate(), Replicate()), (Replicate(), Replicate()),
+         (H(2, 2, 0, "replicate"), H(3, 1, 1, "reflect"))),   # slices both, no traffic
+        (shape, (Shard(2), Replicate()), (Shard(2), Replicate()), both),  # slice H, move T
+        (shape, (Shard(2), Shard(3)), both, (Shard(2), Shard(3))),
+        (shape, (Shard(2), Shard(3)), both, (Replicate(), Replicate())),
+        (shape, (Shard(2), Shard(3)), both, (H(2, 2, 1), H(3, 0, 1))),
+        (shape, (Shard(2), Shard(3)), both, (H(2, 1, 1), Shard(3))),
+    ]
+
+
 def case_conv(mesh: DeviceMesh, placements: tuple[Placement, ...], nd: int,
               cfg: tuple[int, int, int, int, bool, str], seed: int,
               left: int | None = None) -> None:
@@ -245,6 +265,19 @@ def test_redistribute_simulated_2d() -> None:
 
 
 @pytest.mark.simulated
+def test_redistribute_simulated_two_halos() -> None:
+    with simulated_mesh((2, 2), mesh_dim_names=("t", "h")) as mesh:
+        for case in redistribute_cases_two_halos():
+            case_redistribute(mesh, *case, seed=12)
+        with single_device():
+            full = _data((1, 2, 5, 5), 0)
+        both = redistribute(distribute_tensor(full, mesh, [Shard(2), Shard(3)]),
+                            [H(2, 1, 1), H(3, 1, 1)])
+        with pytest.raises(HaloError, match="at most one HaloShard"):  # ops take one
+            torch.relu(both)
+
+
+@pytest.mark.simulated
 @pytest.mark.parametrize(("nd", "cfg"), CONV_CFGS)
 @pytest.mark.parametrize("world", [2, 4])
 def test_conv_simulated(world: int, nd: int, cfg: tuple[int, int, int, int, bool, str]) -> None:
@@ -288,6 +321,7 @@ def test_gloo_2d(gloo) -> None:
     cases += [("case_conv", (Shard(0), Shard(2)), nd, cfg, 7) for nd, cfg in CONV_CFGS[:3]]
     cases += [("case_conv", (Replicate(), Shard(2)), 1, CONV_CFGS[0][1], 8),
               ("case_relu_nn_conv", (Shard(0), Shard(2)), 9)]
+    cases += [("case_redistribute", *case, 15) for case in redistribute_cases_two_halos()]
     gloo(4).run(on_gloo, cases, MESH_2D)
 
 

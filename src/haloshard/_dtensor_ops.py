@@ -71,6 +71,7 @@ from haloshard._layout import HaloShard
 from haloshard._redistribute import (
     check_local,
     contiguous_stride,
+    halo_axes,
     halo_axis,
     redistribute,
     torch_redistribute,
@@ -200,7 +201,7 @@ def _to_local_method(self: DTensor, *, grad_placements: Sequence[Placement] | No
                      ) -> torch.Tensor:
     """`DTensor.to_local`; for a `HaloShard` DTensor, differentiable (torch's backward
     cannot rebuild a custom placement) and checked against its placement."""
-    if halo_axis(self.placements) is None:
+    if not halo_axes(self.placements):
         return _installed["to_local"](self, grad_placements=grad_placements)
     check_local(self)
     if not torch.is_grad_enabled():
@@ -410,7 +411,7 @@ def _redistribute_method(
 ) -> DTensor:
     """`DTensor.redistribute`, with `HaloShard` sources and targets sent to haloshard."""
     wanted = self.placements if placements is None else placements
-    if halo_axis(self.placements) is None and halo_axis(wanted) is None:
+    if not halo_axes(self.placements) and not halo_axes(wanted):
         return torch_redistribute(self, device_mesh, placements, async_op=async_op,
                                   forward_dtype=forward_dtype, backward_dtype=backward_dtype)
     if device_mesh not in (None, self.device_mesh) or forward_dtype or backward_dtype:

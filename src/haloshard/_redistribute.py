@@ -9,7 +9,9 @@ touches a `HaloShard` through haloshard's own exchange and hands the rest to tor
 - `HaloShard -> Shard(d)`: the halos are dropped, no communication;
 - `HaloShard -> Replicate`: drop halos, then torch's all-gather;
 - `HaloShard -> HaloShard` (other widths): narrowing needs nothing, widening is an
-  exchange (same plan and transports) of only the slices the rank does not hold yet.
+  exchange (same plan and transports) of only the slices the rank does not hold yet;
+- `[HaloShard(2, ..), HaloShard(3, ..)]` (T and H on two mesh axes): the halos of each axis
+  in turn, the later exchange over the earlier one's halos, so the corners are held too.
 
 Gradient convention: the gradient of a `HaloShard` DTensor carries the same placement and
 its local tensor is d(loss)/d(local tensor), halo slices included; the halo gradients are
@@ -43,11 +45,18 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(list(accumulate([1, *reversed(shape[1:])], lambda a, b: a * b))))
 
 
+def halo_axes(placements: Sequence[Placement]) -> list[int]:
+    """The mesh axes carrying a `HaloShard` (T and H at once: two)."""
+    return [i for i, p in enumerate(placements) if isinstance(p, HaloShard)]
+
+
 def halo_axis(placements: Sequence[Placement]) -> int | None:
-    """The mesh axis carrying a `HaloShard`, or None; raises for more than one."""
-    axes = [i for i, p in enumerate(placements) if isinstance(p, HaloShard)]
+    """The mesh axis carrying a `HaloShard`, or None; raises for more than one (DTensor
+    ops on `HaloShard` inputs take one; `redistribute` takes several)."""
+    axes = halo_axes(placements)
     if len(axes) > 1:
-        raise HaloError(f"at most one HaloShard per placement list, got {tuple(placements)}")
+        raise HaloError(f"DTensor ops take at most one HaloShard per placement list, got "
+                        f"{tuple(placements)}; redistribute to one (or none) first")
     return axes[0] if axes else None
 
 
@@ -122,17 +131,16 @@ def local_grad(grad: Any, mesh: DeviceMesh, placements: tuple[Placement, ...]) -
                         f"got {type(grad).__name__}")
     if tuple(grad.placements) == placements:
         return grad.to_local()
-    axis = halo_axis(placements)
-    if halo_axis(grad.placements) is not None:
+    if halo_axes(grad.placements):
         raise HaloError(f"gradient placed {tuple(grad.placements)} cannot be laid out as "
                         f"{placements}")
     core = torch_redistribute(grad, mesh, without_halo(placements)).to_local()
-    if axis is None:
-        return core
-    p = placements[axis]
-    assert isinstance(p, HaloShard)
-    pads = [0, 0] * (core.ndim - p.dim - 1) + [p.left, p.right]
-    return torch.nn.functional.pad(core, pads)
+    for axis in halo_axes(placements):
+        p = placements[axis]
+        assert isinstance(p, HaloShard)
+        pads = [0, 0] * (core.ndim - p.dim - 1) + [p.left, p.right]
+        core = torch.nn.functional.pad(core, pads)
+    return core
 
 
 @maybe_run_for_local_tensor
@@ -152,18 +160,18 @@ def check_local(dt: DTensor) -> None:
     `DTensor.from_local` checks nothing: a chunk without its halos would be read as one with
     them, and real slices dropped. Rank-local (no communication).
     """
-    axis = halo_axis(dt.placements)
-    if axis is None:
-        return
-    p = dt.placements[axis]
-    assert isinstance(p, HaloShard)
-    local, mesh = local_tensor(dt), dt.device_mesh
-    if p.dim >= local.ndim:
-        raise HaloError(f"{p!r} shards dim {p.dim} of a {local.ndim}-D local tensor")
-    size, length = mesh.size(axis), dt.shape[p.dim]
-    expected = maybe_run_for_local_tensor(
-        lambda r: p.local_length(length, size, r))(mesh.get_local_rank(axis))
-    _check_local_length(local.shape[p.dim], expected, mesh.get_local_rank(axis), p, length)
+    for axis in halo_axes(dt.placements):
+        p = dt.placements[axis]
+        assert isinstance(p, HaloShard)
+        local, mesh = local_tensor(dt), dt.device_mesh
+        if p.dim >= local.ndim:
+            raise HaloError(f"{p!r} shards dim {p.dim} of a {local.ndim}-D local tensor")
+        size, length = mesh.size(axis), dt.shape[p.dim]
+        expected = maybe_run_for_local_tensor(
+            lambda r, p=p, size=size, length=length: p.local_length(length, size, r))(
+                mesh.get_local_rank(axis))
+        _check_local_length(local.shape[p.dim], expected, mesh.get_local_rank(axis), p,
+                            length)
 
 
 def _normalize(placements: Sequence[Placement], mesh: DeviceMesh) -> tuple[Placement, ...]:
@@ -176,18 +184,17 @@ def _normalize(placements: Sequence[Placement], mesh: DeviceMesh) -> tuple[Place
 
 def check_placements(shape: Sequence[int], placements: Sequence[Placement]) -> None:
     """Raise `HaloError` when a `HaloShard` in `placements` cannot describe `shape`."""
-    axis = halo_axis(placements)
-    if axis is None:
-        return
-    p = placements[axis]
-    assert isinstance(p, HaloShard)
-    if p.dim >= len(shape):
-        raise HaloError(f"{p!r} shards dim {p.dim} of a {len(shape)}-D tensor")
-    for i, other in enumerate(placements):
-        if i != axis and isinstance(other, Shard) and other.dim == p.dim:
-            raise HaloError(f"{p!r} on mesh axis {axis} and {other!r} on mesh axis {i} split "
-                            f"the same dim {p.dim}; a halo dim may be split by one axis only")
-    check_pad_fits(shape[p.dim], p.left, p.right, p.pad)
+    for axis in halo_axes(placements):
+        p = placements[axis]
+        assert isinstance(p, HaloShard)
+        if p.dim >= len(shape):
+            raise HaloError(f"{p!r} shards dim {p.dim} of a {len(shape)}-D tensor")
+        for i, other in enumerate(placements):
+            if i != axis and isinstance(other, Shard) and other.dim % len(shape) == p.dim:
+                raise HaloError(f"{p!r} on mesh axis {axis} and {other!r} on mesh axis {i} "
+                                f"split the same dim {p.dim}; a halo dim may be split by one "
+                                "axis only")
+        check_pad_fits(shape[p.dim], p.left, p.right, p.pad)
 
 
 def redistribute(dt: DTensor, placements: Sequence[Placement], *,
@@ -200,8 +207,9 @@ def redistribute(dt: DTensor, placements: Sequence[Placement], *,
 
     Args:
         dt: the DTensor to move.
-        placements: one placement per mesh axis; at most one `HaloShard`, on a tensor dim
-            no other mesh axis splits.
+        placements: one placement per mesh axis; a `HaloShard` on a tensor dim no other
+            mesh axis splits (T and H at once: one on each axis, the corners included,
+            as the hooks' windows hold them).
         transport: `halo_exchange`'s transport for `Shard -> HaloShard` and for widening a
             `HaloShard` (default all_to_all).
 
@@ -222,32 +230,36 @@ def redistribute(dt: DTensor, placements: Sequence[Placement], *,
     check_placements(dt.shape, src)
     check_placements(dt.shape, dst)
     check_local(dt)
-    a, b = halo_axis(src), halo_axis(dst)
-    if src == dst or (a is None and b is None):
+    a, b = halo_axes(src), halo_axes(dst)
+    if src == dst or not (a or b):
         return dt if src == dst else torch_redistribute(dt, mesh, dst)
-    same_axis = a is not None and a == b and without_halo(src) == without_halo(dst)
-    if same_axis and src[a].pad == dst[b].pad:  # type: ignore[index,attr-defined]
-        return _rehalo(dt, a, dst[b], transport)  # type: ignore[arg-type]
-    if a is not None:
+    if (len(a) == len(b) == 1 and a == b and without_halo(src) == without_halo(dst)
+            and src[a[0]].pad == dst[b[0]].pad):  # type: ignore[attr-defined]
+        return _rehalo(dt, a[0], dst[b[0]], transport)  # type: ignore[arg-type]
+    if a:
         dt = _drop_halos(dt, a)
-    if b is None:
+    if not b:
         return torch_redistribute(dt, mesh, dst)
     return _to_halo(dt, b, dst, transport)
 
 
-def _to_halo(dt: DTensor, axis: int, dst: tuple[Placement, ...],
+def _to_halo(dt: DTensor, axes: list[int], dst: tuple[Placement, ...],
              transport: str | None) -> DTensor:
-    """From a DTensor without halos to `dst`: torch moves the other axes first."""
-    p = dst[axis]
-    assert isinstance(p, HaloShard)
+    """From a DTensor without halos to `dst`: torch moves the other axes first; replicated
+    axes slice their halos (no traffic), then sharded ones exchange theirs in axis order,
+    each over the halos added before it (the corners come with the later exchange)."""
     mid = list(without_halo(dst))
-    if isinstance(dt.placements[axis], Replicate):
+    sliced = [a for a in axes if isinstance(dt.placements[a], Replicate)]
+    for axis in sliced:
         mid[axis] = Replicate()  # every rank already holds its halos: slice, no traffic
     if tuple(dt.placements) != tuple(mid):
         dt = torch_redistribute(dt, dt.device_mesh, mid)
-    if isinstance(mid[axis], Replicate):
-        return _slice_halos(dt, axis, dst)
-    return _add_halos(dt, axis, dst, transport)
+    if sliced:
+        dt = _slice_halos(dt, sliced, dst)
+    for axis in axes:
+        if axis not in sliced:
+            dt = _add_halos(dt, axis, dst, transport)
+    return dt
 
 
 def _add_halos(dt: DTensor, axis: int, dst: tuple[Placement, ...],
@@ -259,10 +271,10 @@ def _add_halos(dt: DTensor, axis: int, dst: tuple[Placement, ...],
     """
     p = dst[axis]
     assert isinstance(p, HaloShard)
-    y = halo_exchange(unwrap(dt), left=p.left, right=p.right, dim=p.dim, group=(dt.device_mesh,
-                      axis),
-                      pad=p.pad, transport=transport, global_length=dt.shape[p.dim])
-    return wrap(y, dt, dst)
+    y = halo_exchange(unwrap(dt), left=p.left, right=p.right, dim=p.dim,
+                      group=(dt.device_mesh, axis), pad=p.pad, transport=transport,
+                      global_length=dt.shape[p.dim])
+    return wrap(y, dt, [p if i == axis else q for i, q in enumerate(dt.placements)])
 
 
 @lru_cache(maxsize=1024)
@@ -271,43 +283,55 @@ def _sources(rank: int, p: HaloShard, length: int, world: int) -> tuple[list[int
     return [0 if g is None else g for g in sources], [g is not None for g in sources]
 
 
-def _slice_halos(dt: DTensor, axis: int, dst: tuple[Placement, ...]) -> DTensor:
-    """`Replicate -> HaloShard(d, l, r)` on one axis: every rank slices its own part.
+def _slice_halos(dt: DTensor, axes: list[int], dst: tuple[Placement, ...]) -> DTensor:
+    """`Replicate -> HaloShard(d, l, r)` on each of `axes`: every rank slices its own part.
 
-    Forward: `(.., T, ..) -> (.., l + T_r + r, ..)`, no communication. Backward: each rank's
-    gradient is its share of the global one, so the input gradient is `Partial()` there.
+    Forward: `(.., T, ..) -> (.., l + T_r + r, ..)` along each, no communication. Backward:
+    each rank's gradient is its share of the global one, so the input gradient is
+    `Partial()` there.
     """
-    p, mesh = dst[axis], dt.device_mesh
-    assert isinstance(p, HaloShard)
-    grad_placements = [Partial() if i == axis else q for i, q in enumerate(dt.placements)]
+    mesh = dt.device_mesh
+    grad_placements = [Partial() if i in axes else q for i, q in enumerate(dt.placements)]
     local = unwrap(dt, grad_placements)
+    for axis in axes:
+        p = dst[axis]
+        assert isinstance(p, HaloShard)
+        local = _slice_one(local, p, dt.shape[p.dim], mesh, axis)
+    placements = [dst[i] if i in axes else q for i, q in enumerate(dt.placements)]
+    return wrap(local, dt, placements)
 
+
+def _slice_one(local: torch.Tensor, p: HaloShard, length: int, mesh: DeviceMesh, axis: int
+               ) -> torch.Tensor:
+    """This rank's chunk and halos along `p.dim` of a tensor it holds whole along it."""
     def index(rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        idx, keep = _sources(rank, p, dt.shape[p.dim], mesh.size(axis))
-        shape = [len(keep) if i == p.dim else 1 for i in range(dt.ndim)]
+        idx, keep = _sources(rank, p, length, mesh.size(axis))
+        shape = [len(keep) if i == p.dim else 1 for i in range(local.ndim)]
         return (torch.tensor(idx, dtype=torch.int64, device=device),
                 torch.tensor(keep, dtype=torch.bool, device=device).reshape(shape))
 
-    if dt.shape[p.dim] == 0:  # all halo, all zeros; cat keeps the (empty) autograd edge
+    if length == 0:  # all halo, all zeros; cat keeps the (empty) autograd edge
         shape = [p.left + p.right if i == p.dim else n for i, n in enumerate(local.shape)]
-        return wrap(torch.cat([local, local.new_zeros(shape)], p.dim), dt, dst)
+        return torch.cat([local, local.new_zeros(shape)], p.dim)
     idx, keep = maybe_run_for_local_tensor(index)(mesh.get_local_rank(axis), local.device)
     taken = local.index_select(p.dim, idx)
     # where(), not a multiply: a zero halo must stay zero next to an inf or nan.
-    return wrap(torch.where(keep, taken, taken.new_zeros(())), dt, dst)
+    return torch.where(keep, taken, taken.new_zeros(()))
 
 
-def _drop_halos(dt: DTensor, axis: int) -> DTensor:
-    """`HaloShard(d, l, r) -> Shard(d)` on one axis: keep the chunk, no communication.
+def _drop_halos(dt: DTensor, axes: list[int]) -> DTensor:
+    """`HaloShard(d, l, r) -> Shard(d)` on each of `axes`: keep the chunk, no communication.
 
-    Forward: `(.., l + T_r + r, ..) -> (.., T_r, ..)`; backward: `(.., T_r, ..) -> (.., l +
-    T_r + r, ..)` with zero halos (the halos' producer adds halo gradients into owners).
+    Forward: `(.., l + T_r + r, ..) -> (.., T_r, ..)` along each; backward: `(.., T_r, ..)
+    -> (.., l + T_r + r, ..)` with zero halos (the halos' producer adds halo gradients into
+    owners).
     """
-    p = dt.placements[axis]
-    assert isinstance(p, HaloShard)
     local = unwrap(dt)
-    core = local.narrow(p.dim, p.left, local.shape[p.dim] - p.left - p.right)
-    return wrap(core, dt, without_halo(dt.placements))
+    for axis in axes:
+        p = dt.placements[axis]
+        assert isinstance(p, HaloShard)
+        local = local.narrow(p.dim, p.left, local.shape[p.dim] - p.left - p.right)
+    return wrap(local, dt, without_halo(dt.placements))
 
 
 def _rehalo(dt: DTensor, axis: int, new: HaloShard, transport: str | None) -> DTensor:
