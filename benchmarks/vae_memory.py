@@ -63,7 +63,8 @@ def main() -> None:
             single, peak = rows[0]["single MiB"], max(r["saved MiB"] for r in rows)
             diff = max(r[k] for r in rows for k in ("forward", "input grad", "param grads"))
             ratio, sent = peak / single, max(r["sent MiB"] for r in rows)
-            print(f"| {'+'.join('THW'[d - 2] for d in dims)} | {p} | {single:.2f} | {peak:.2f} | {ratio:.3f} | "
+            name = "+".join("THW"[d - 2] for d in dims)
+            print(f"| {name} | {p} | {single:.2f} | {peak:.2f} | {ratio:.3f} | "
                   f"{1 / p:.3f} | "
                   f"{1.15 / p:.3f}{' ok' if ratio <= 1.15 / p else ' MISS'} | "
                   f"{1 / p + 0.15:.3f}{' ok' if ratio <= 1 / p + 0.15 else ' MISS'} | "
