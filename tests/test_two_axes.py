@@ -89,6 +89,24 @@ def case_two_axes(mesh: DeviceMesh, length: int, height: int, pad_mode: str, see
         torch.testing.assert_close(got.full_tensor(), q.grad, **TOL)
 
 
+def _kinds(seed: int) -> nn.Module:
+    """The other layer kinds whose halo is derived: transposed conv (strided), pooling,
+    resampling (nearest and trilinear), a dilated conv."""
+    return seeded_module(nn.Sequential(
+        nn.ConvTranspose3d(2, 3, 3, stride=2, padding=1, output_padding=1),
+        nn.MaxPool3d(3, stride=1, padding=1),
+        nn.AvgPool3d(2),
+        nn.Upsample(scale_factor=2, mode="trilinear"),
+        nn.Conv3d(3, 2, 3, padding=2, dilation=2, padding_mode="replicate"),
+        nn.Upsample(scale_factor=2, mode="nearest"),
+    ), seed).double()
+
+
+def case_kinds(mesh: DeviceMesh, length: int, height: int, seed: int) -> None:
+    plan = {str(i): HaloParallel() for i in range(6)}
+    check_two_axes(mesh, _kinds(seed), plan, (1, 2, length, height, 3), seed)
+
+
 class Causal(nn.Module):
     """A causal wrapper: pads T itself (`mode`), then a conv (3x3 spatially, zero padding
     of its own, or `F.pad` of H too with `pad_h`), any stride on T."""
@@ -208,6 +226,13 @@ def test_wrappers_simulated(length: int, height: int) -> None:
 
 
 @pytest.mark.simulated
+@pytest.mark.parametrize(("length", "height"), [(4, 6), (5, 3)])
+def test_kinds_simulated(length: int, height: int) -> None:
+    with simulated_mesh((2, 2), mesh_dim_names=("t", "h")) as mesh:
+        case_kinds(mesh, length, height, 9)
+
+
+@pytest.mark.simulated
 def test_refusal_simulated() -> None:
     with simulated_mesh((2, 2), mesh_dim_names=("t", "h")) as mesh:
         case_refusal(mesh)
@@ -220,6 +245,7 @@ def on_gloo() -> None:
     case_two_axes(mesh, 6, 5, "circular", 6)
     for length, height in [(7, 5), (3, 3), (9, 1)]:  # uneven, one frame or row on a rank
         case_wrappers(mesh, length, height, 8)
+    case_kinds(mesh, 5, 3, 9)
     case_refusal(mesh)
 
 
