@@ -180,3 +180,96 @@ def test_agreements_needs_global_length() -> None:
                                                                    "global_length"):
         halo_exchange(torch.ones(1, 2, 3), left=1, right=1, dim=2, group=mesh,
                       agreements={})
+
+
+class Attention(nn.Module):
+    """A VAE mid-block: GroupNorm, then single-head attention over all T*H*W tokens."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(2, channels)
+        self.q, self.k, self.v = (nn.Conv3d(channels, channels, 1) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        q, k, v = (f(h).flatten(2).transpose(1, 2) for f in (self.q, self.k, self.v))
+        o = F.scaled_dot_product_attention(q, k, v)
+        return x + o.transpose(1, 2).reshape(x.shape)
+
+
+@contextmanager
+def counted_by_dtype() -> Iterator[Counter[str]]:
+    """`counted`, with all-gathers split by dtype: int64 rows are metadata, the rest data."""
+    calls: Counter[str] = Counter()
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            meta = name.startswith("all_gather") and args[1].dtype == torch.int64
+            calls[f"{name} (metadata)" if meta else name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def attention_steady_state() -> dict[str, Any]:
+    """A conv and an attention block with its norm: after the first forward, only data
+    collectives (the halo move, the norm's statistics, the K/V gather); a chunk one frame
+    too long on rank 1 still raises on both ranks, at once."""
+    from haloshard import AttentionParallel, GroupNormParallel
+
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    with single_device():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), Attention(4)).double()
+        full = seeded_randn((1, 2, 7, 3, 3), 1).double()
+        expected = model(full).detach()
+    parallelize_module(model, mesh, {"0": HaloParallel(overlap=False), "1": AttentionParallel(),
+                                     "1.norm": GroupNormParallel()})
+    local = shard(full, 2, 2, rank).clone()
+    counts, errors = [], []
+    for _ in range(3):
+        x = DTensor.from_local(local.clone().requires_grad_(), mesh, [Shard(2)],
+                               shape=full.shape, stride=full.stride())
+        with counted_by_dtype() as forward:
+            y = model(x)
+        y.to_local().sum().backward()
+        counts.append(dict(forward))
+        errors.append((y.to_local() - shard(expected, 2, 2, rank)).abs().max().item())
+    block = model[1]
+    inner = shard(seeded_randn((1, 4, 7, 3, 3), 2).double(), 2, 2, rank)
+    for _ in range(2):  # agreed at the first call, then a mistake on rank 1
+        bad = torch.cat([inner, inner[:, :, :1]], dim=2) if rank == 1 and _ else inner
+        x = DTensor.from_local(bad, mesh, [Shard(2)], shape=(1, 4, 7, 3, 3),
+                               stride=(252, 63, 9, 3, 1))
+        start = time.perf_counter()
+        try:
+            block(x)
+            raised = "ok"
+        except HaloError as error:
+            raised = f"HaloError: {error}"
+    return {"counts": counts, "errors": errors, "raised": raised,
+            "seconds": time.perf_counter() - start}
+
+
+@pytest.mark.gloo
+def test_attention_no_metadata_collective_after_the_first_call(
+        gloo: Callable[[int], Any]) -> None:
+    results = gloo(2).run(attention_steady_state, timeout=120)
+    for got in results:
+        first, *later = got["counts"]
+        assert first["all_gather_single (metadata)"] == 2, first  # the conv's and the K/V's
+        for forward in later:  # the halo move, the norm's statistics, the K/V gather
+            assert forward == {"all_to_all_single": 1, "all_gather_single": 2}, forward
+        assert max(got["errors"]) <= 1e-12, got
+        assert got["seconds"] < 5.0, got
+    other, bad = (r["raised"] for r in results)
+    assert "differ from those agreed at this attention block's first call" in bad, bad
+    assert "rank(s) [1] of the group passed this attention block" in other, other

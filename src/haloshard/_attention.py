@@ -9,13 +9,16 @@ of dK and dV, so gradients are exact too.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 
 from haloshard import _comm
 from haloshard._comm import GroupLike
-from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
+from haloshard._compat import assert_async, enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError, raise_rejected
 from haloshard._exchange import (
     _as_int,
@@ -119,36 +122,73 @@ def _agree(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim: int,
 
 
 def _gather(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
-            global_length: int, frame: int) -> tuple[torch.Tensor, ...]:
+            global_length: int, frame: int, status: int | None = None
+            ) -> tuple[torch.Tensor, ...]:
     """All-gather agreed tensors along `dim`: in one collective when they are plain eager
-    tensors that differ only in their last dim (K and V), else one each."""
-    ndim = tensors[0].ndim
-    names = [f"d{i}" for i in range(ndim)]
-    moved = " ".join([names[dim], *names[:dim], *names[dim + 1 :]])
-    fronts = [rearrange(t, f"{' '.join(names)} -> {moved}") for t in tensors]
+    tensors that differ only in their last dim (K and V), else one each. `status`: see
+    `_gather_front`."""
+    fronts, moved, names = _fronts(tensors, dim)
     # Concatenated along the last dim (dim 0, the gathered one, has the same length in all:
     # checked by `_agree`). Plain eager tensors only: LocalTensorMode's per-rank lengths do
     # not survive that cat's backward, and compiled code needs no metadata row to pay for.
-    if ndim > 1 and _comm.is_eager(fronts[0]) and all(
-            f.shape[1:-1] == fronts[0].shape[1:-1] for f in fronts):
+    if _one_buffer(fronts):
         widths = [f.shape[-1] for f in fronts]
         every = _gather_front(torch.cat(fronts, -1) if len(fronts) > 1 else fronts[0], grp,
-                              global_length, frame)
+                              global_length, frame, status)
         parts = every.split(widths, -1)
     else:
         parts = tuple(_gather_front(f, grp, global_length, frame) for f in fronts)
     return tuple(rearrange(p, f"{moved} -> {' '.join(names)}") for p in parts)
 
 
-def _gather_front(front: torch.Tensor, grp: _comm.Group, global_length: int, frame: int
-                  ) -> torch.Tensor:
-    """All-gather chunks of dim 0 (uneven and empty included) into the global dim 0."""
+def _fronts(tensors: tuple[torch.Tensor, ...], dim: int
+            ) -> tuple[list[torch.Tensor], str, list[str]]:
+    """Each tensor with `dim` moved to the front, and the einops patterns to move it back."""
+    names = [f"d{i}" for i in range(tensors[0].ndim)]
+    moved = " ".join([names[dim], *names[:dim], *names[dim + 1 :]])
+    return [rearrange(t, f"{' '.join(names)} -> {moved}") for t in tensors], moved, names
+
+
+def _one_buffer(fronts: list[torch.Tensor]) -> bool:
+    return fronts[0].ndim > 1 and _comm.is_eager(fronts[0]) and all(
+        f.shape[1:-1] == fronts[0].shape[1:-1] for f in fronts)
+
+
+def _gather_front(front: torch.Tensor, grp: _comm.Group, global_length: int, frame: int,
+                  status: int | None = None) -> torch.Tensor:
+    """All-gather chunks of dim 0 (uneven and empty included) into the global dim 0.
+
+    With `status` (0, or 1 from a rank that found a mistake and sends placeholder rows),
+    each rank's block ends in one status row, so a call agreed before needs no metadata
+    collective for a mistake on one rank to raise on every rank.
+    """
     lengths = tuple(n * frame for n in shard_sizes(global_length, grp.size))
     chunk = max(lengths)
     # all-gather needs equal blocks: pad each chunk to the longest, then keep the real rows.
-    padded = torch.cat([front, front.new_zeros((chunk - front.shape[0], *front.shape[1:]))])
-    every = _comm.all_gather_autograd(padded.contiguous(), grp, "all-gather along the dim")
+    pieces = [front, front.new_zeros((chunk - front.shape[0], *front.shape[1:]))]
+    if status is not None:
+        pieces.append(front.new_full((1, *front.shape[1:]), status))
+    every = _comm.all_gather_autograd(torch.cat(pieces).contiguous(), grp,
+                                      "all-gather along the dim")
+    if status is not None:
+        every = _without_status(every, grp.size)
     return every.index_select(0, _valid_rows(lengths, chunk, front.device))
+
+
+def _without_status(every: torch.Tensor, size: int) -> torch.Tensor:
+    """The gathered blocks without their status rows; `HaloError` on every rank when a
+    peer raised one (on an accelerator: a deferred device assert, no host sync)."""
+    blocks = every.unflatten(0, (size, -1))
+    flags = blocks[:, -1].reshape(size, -1)[:, 0]
+    if flags.device.type != "cpu":
+        assert_async(flags.eq(0).all(), "a peer raised HaloError for this attention block")
+    else:
+        raised = [rank for rank, f in enumerate(flags.tolist()) if f]
+        if raised:
+            raise HaloError(f"rank(s) {raised} of the group passed this attention block "
+                            "tensors that differ from those every rank agreed on at its "
+                            "first call with this global shape (see the error on those ranks)")
+    return blocks[:, :-1].flatten(0, 1)
 
 
 def gather_along(x: torch.Tensor, dim: int, group: GroupLike, *, global_length: int,
@@ -177,17 +217,66 @@ def gather_along(x: torch.Tensor, dim: int, group: GroupLike, *, global_length: 
 
 
 def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *,
-                global_length: int, frame: int = 1) -> tuple[torch.Tensor, ...]:
+                global_length: int, frame: int = 1, reuse: Reuse | None = None
+                ) -> tuple[torch.Tensor, ...]:
     """`gather_along` for several tensors of one split (e.g. K and V): one metadata row and
     one all-gather for all of them.
+
+    `reuse`: a call site's store and the call's global signature (the same on every rank,
+    from DTensor metadata): agreed with the metadata row once, later calls check this rank
+    locally and carry a mistake as a status row inside the all-gather (no metadata
+    collective in steady state; `HaloError` on every rank still).
 
     Example::
         >>> k_all, v_all = gather_many((k, v), 2, mesh, global_length=13)
     """
     grp = _comm.resolve_group(group)
+    tensors = tuple(tensors)
     names = tuple(f"tensor {i}" for i in range(len(tensors)))
-    _agree(tuple(tensors), names, dim, grp, global_length, frame)
-    return _gather(tuple(tensors), dim % tensors[0].ndim, grp, global_length, frame)
+    problem = _problem(tensors, dim, global_length, frame)
+    if reuse is None or torch.compiler.is_compiling() or enabled_local_tensor_mode() is not None:
+        _agree(tensors, names, dim, grp, global_length, frame, problem)
+        return _gather(tensors, dim % tensors[0].ndim, grp, global_length, frame)
+    store, signature = reuse
+    key = (signature, dim, global_length, frame, id(grp.pg))
+    if key not in store:  # agree (a mistake raises on every rank), then cache if one buffer
+        _agree(tensors, names, dim, grp, global_length, frame, problem)
+        fronts = _fronts(tensors, dim % tensors[0].ndim)[0]
+        if not _one_buffer(fronts):
+            return _gather(tensors, dim % tensors[0].ndim, grp, global_length, frame)
+        buffer = (*fronts[0].shape[1:-1], sum(f.shape[-1] for f in fronts))
+        row = _meta_row(tensors, dim, global_length, frame, False).tolist()
+        if len(store) >= _REUSE_SIZE:  # every rank stores (and evicts) alike
+            del store[next(iter(store))]
+        store[key] = (row, buffer, tensors[0].dtype, tensors[0].device)
+    else:
+        agreed, buffer, dtype, device = store[key]
+        if problem is None:
+            row = _meta_row(tensors, dim, global_length, frame, False).tolist()
+            if row != agreed:
+                problem = (f"this rank's tensors differ from those agreed at this attention "
+                           f"block's first call: got the metadata row {row}, agreed {agreed}")
+        if problem is not None:
+            _placeholder_gather(grp, global_length, frame, buffer, dtype, device)
+            raise HaloError(problem)
+    return _gather(tensors, dim % tensors[0].ndim, grp, global_length, frame, status=0)
+
+
+# A call site's agreements (by global signature) and this call's signature.
+Reuse = tuple[dict[Any, Any], Any]
+_REUSE_SIZE = 64
+
+
+def _placeholder_gather(grp: _comm.Group, global_length: int, frame: int,
+                        buffer: tuple[int, ...], dtype: torch.dtype, device: torch.device
+                        ) -> None:
+    """Join the all-gather the peers are starting with zero rows and status 1."""
+    chunk = max(shard_sizes(global_length, grp.size)) * frame
+    placeholder = torch.zeros((chunk + 1, *buffer), dtype=dtype, device=device)
+    placeholder[-1] = 1
+    with contextlib.suppress(HaloError):  # this rank's own error is the one to raise
+        _without_status(_comm.all_gather(placeholder, grp, "all-gather along the dim"),
+                        grp.size)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike, *,

@@ -81,6 +81,7 @@ class ShardedForward:
 
     def __init__(self, module: nn.Module, dim: int, mesh: DeviceMesh | None = None) -> None:
         self.module, self.dim, self.mesh = module, dim, mesh
+        self.fresh()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardedForward:
         new = copy.copy(self)

@@ -329,9 +329,9 @@ class _TokenAttention(TorchFunctionMode):
     `(..., T, S, E)` and flattened back: every rank's queries see every token.
     """
 
-    def __init__(self, site: _Site, dim: int) -> None:
+    def __init__(self, site: _Site, dim: int, agreed: dict[Any, Any]) -> None:
         super().__init__()
-        self.site, self.dim, self.calls = site, dim, 0
+        self.site, self.dim, self.calls, self.agreed = site, dim, 0, agreed
         # Tokens per slice along dim: the other spatial dims. Unmasked attention does not
         # depend on the order of its keys, so the sharded dim need not lead the flattening
         # (H sharded under a (t h w) token order gathers each rank's tokens as one block).
@@ -369,9 +369,20 @@ class _TokenAttention(TorchFunctionMode):
             frame = math.prod(site.shape[i] if i in gathered and i != d else site.local.shape[i]
                               for i in range(2, site.local.ndim) if i != d)
             k, v = gather_many((k, v), k.ndim - 2, (site.mesh, axis),
-                               global_length=site.shape[d], frame=frame)
+                               global_length=site.shape[d], frame=frame,
+                               reuse=self.reuse(d))
             gathered.append(d)
         return sdpa(q, k, v, scale)
+
+
+    def reuse(self, d: int) -> tuple[dict[Any, Any], Any] | None:
+        """The block's agreements and this gather's global signature (DTensor input: the
+        same on every rank); None for a plain chunk (its length was gathered anyway)."""
+        site, x = self.site, self.site.local
+        if site.placements is None:
+            return None
+        return self.agreed, (site.shape, site.placements, id(site.mesh), d, x.dtype,
+                             x.requires_grad, torch.is_grad_enabled())
 
 
 @maybe_run_for_local_tensor
@@ -386,6 +397,10 @@ def _check_tokens(tokens: int, frames: int, frame: int) -> None:
 class _AttentionForward(_LocalForward):
     style = "AttentionParallel"
 
+    def fresh(self) -> None:
+        # K/V gathers agreed by global signature: later calls issue no metadata collective
+        self.agreed: dict[Any, Any] = {}
+
     def site(self, x: torch.Tensor) -> _Site:
         if isinstance(x, DTensor):  # T, H or both sharded: K/V gathered over each
             return _dtensor_site(x, self.dim, several=True)
@@ -393,7 +408,7 @@ class _AttentionForward(_LocalForward):
         return _site(x, self.dim, self.mesh)
 
     def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
-        mode = _TokenAttention(site, self.dim)
+        mode = _TokenAttention(site, self.dim, self.agreed)
         _ENCLOSING.append(site)
         try:
             with mode:
