@@ -31,14 +31,17 @@ _COLLECTIVES = ("all_gather_single", "all_to_all_single", "all_gather_into_tenso
 
 
 @contextmanager
-def counted() -> Iterator[Counter[str]]:
-    """Count c10d collectives issued in this process (haloshard's eager calls)."""
+def counted(*, by_dtype: bool = False) -> Iterator[Counter[str]]:
+    """Count c10d collectives issued in this process (haloshard's eager calls); with
+    `by_dtype`, all-gathers of int64 rows (metadata) apart from the others (data)."""
     calls: Counter[str] = Counter()
     saved = {name: getattr(dist, name) for name in _COLLECTIVES}
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            calls[name] += 1
+            meta = (by_dtype and name.startswith("all_gather")
+                    and args[1].dtype == torch.int64)
+            calls[f"{name} (metadata)" if meta else name] += 1
             return fn(*args, **kwargs)
         return call
 
@@ -94,13 +97,7 @@ def steady_state() -> dict[str, Any]:
     bad = (torch.cat([local, local[:, :, :1]], dim=2) if rank == 1 else local.clone())
     bad.requires_grad_()  # the signature of the calls before: only the length differs
     x = DTensor.from_local(bad, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
-    start = time.perf_counter()
-    try:
-        model(x)
-        raised = "ok"
-    except HaloError as error:
-        raised = f"HaloError: {error}"
-    seconds = time.perf_counter() - start
+    raised, seconds = _outcome(model, x)
     # the group still works: the same model, right input, exact again
     x = DTensor.from_local(local.clone(), mesh, [Shard(2)], shape=full.shape,
                            stride=full.stride())
@@ -197,28 +194,6 @@ class Attention(nn.Module):
         return x + o.transpose(1, 2).reshape(x.shape)
 
 
-@contextmanager
-def counted_by_dtype() -> Iterator[Counter[str]]:
-    """`counted`, with all-gathers split by dtype: int64 rows are metadata, the rest data."""
-    calls: Counter[str] = Counter()
-    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
-
-    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            meta = name.startswith("all_gather") and args[1].dtype == torch.int64
-            calls[f"{name} (metadata)" if meta else name] += 1
-            return fn(*args, **kwargs)
-        return call
-
-    for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield calls
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
 def attention_steady_state() -> dict[str, Any]:
     """A conv and an attention block with its norm: after the first forward, only data
     collectives (the halo move, the norm's statistics, the K/V gather); a chunk one frame
@@ -238,25 +213,30 @@ def attention_steady_state() -> dict[str, Any]:
     for _ in range(3):
         x = DTensor.from_local(local.clone().requires_grad_(), mesh, [Shard(2)],
                                shape=full.shape, stride=full.stride())
-        with counted_by_dtype() as forward:
+        with counted(by_dtype=True) as forward:
             y = model(x)
         y.to_local().sum().backward()
         counts.append(dict(forward))
         errors.append((y.to_local() - shard(expected, 2, 2, rank)).abs().max().item())
     block = model[1]
     inner = shard(seeded_randn((1, 4, 7, 3, 3), 2).double(), 2, 2, rank)
-    for _ in range(2):  # agreed at the first call, then a mistake on rank 1
-        bad = torch.cat([inner, inner[:, :, :1]], dim=2) if rank == 1 and _ else inner
+    for call in range(2):  # agreed at the first call, then a mistake on rank 1
+        bad = torch.cat([inner, inner[:, :, :1]], dim=2) if rank == 1 and call else inner
         x = DTensor.from_local(bad, mesh, [Shard(2)], shape=(1, 4, 7, 3, 3),
                                stride=(252, 63, 9, 3, 1))
-        start = time.perf_counter()
-        try:
-            block(x)
-            raised = "ok"
-        except HaloError as error:
-            raised = f"HaloError: {error}"
-    return {"counts": counts, "errors": errors, "raised": raised,
-            "seconds": time.perf_counter() - start}
+        raised, seconds = _outcome(block, x)
+    return {"counts": counts, "errors": errors, "raised": raised, "seconds": seconds}
+
+
+def _outcome(module: nn.Module, x: DTensor) -> tuple[str, float]:
+    """What calling `module(x)` raised ("ok" if nothing), and how long it took."""
+    start = time.perf_counter()
+    try:
+        module(x)
+        raised = "ok"
+    except HaloError as error:
+        raised = f"HaloError: {error}"
+    return raised, time.perf_counter() - start
 
 
 @pytest.mark.gloo

@@ -62,31 +62,8 @@ def _plan() -> dict[str, Any]:
 
 def case_two_axes(mesh: DeviceMesh, length: int, height: int, pad_mode: str, seed: int
                   ) -> None:
-    names = mesh.mesh_dim_names or ()
-    batch = 2 if "dp" in names else 1
-    placements = [Shard(0) if n == "dp" else Shard(2) if n == "t" else Shard(3)
-                  for n in names]
-    with single_device():
-        model = _model(pad_mode, seed)
-        full = seeded_randn((batch, 2, length, height, 4), seed)
-        twin = copy.deepcopy(model)
-        x_ref = full.clone().requires_grad_()
-        y_ref = twin(x_ref)
-        gy = seeded_randn(tuple(y_ref.shape), seed + 1)
-        (y_ref * gy).sum().backward()
-    parallelize_module(model, mesh["t"], _plan())
-    x = distribute_tensor(full, mesh, placements).requires_grad_()
-    y = model(x)
-    assert isinstance(y, DTensor) and tuple(y.placements) == tuple(placements)
-    assert y.shape == y_ref.shape, (y.shape, y_ref.shape)
-    torch.testing.assert_close(y.full_tensor(), y_ref.detach(), **TOL)
-    (y * distribute_tensor(gy, mesh, placements)).sum().backward()
-    torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad, **TOL)
-    for axis in ("t", "h", *(["dp"] if batch > 1 else [])):
-        reduce_grads(model, mesh, mesh_axis=axis)
-    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-        got = DTensor.from_local(p.grad, mesh, [Replicate()] * mesh.ndim, run_check=False)
-        torch.testing.assert_close(got.full_tensor(), q.grad, **TOL)
+    batch = 2 if "dp" in (mesh.mesh_dim_names or ()) else 1
+    check_two_axes(mesh, _model(pad_mode, seed), _plan(), (batch, 2, length, height, 4), seed)
 
 
 def _kinds(seed: int) -> nn.Module:
@@ -154,7 +131,11 @@ def case_wrappers(mesh: DeviceMesh, length: int, height: int, seed: int) -> None
 
 def check_two_axes(mesh: DeviceMesh, model: nn.Module, plan: dict[str, Any],
                    shape: tuple[int, ...], seed: int) -> None:
-    placements = [Shard(2), Shard(3)]
+    """`model` with `plan` on T and H sharded (the batch too on a `dp` axis) against one
+    device: output, input gradient, every parameter gradient summed over the axes."""
+    names = mesh.mesh_dim_names or ()
+    placements = [Shard(0) if n == "dp" else Shard(2) if n == "t" else Shard(3)
+                  for n in names]
     with single_device():
         full = seeded_randn(shape, seed)
         twin = copy.deepcopy(model)
@@ -170,7 +151,7 @@ def check_two_axes(mesh: DeviceMesh, model: nn.Module, plan: dict[str, Any],
     torch.testing.assert_close(y.full_tensor(), y_ref.detach(), **TOL)
     (y * distribute_tensor(gy, mesh, placements)).sum().backward()
     torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad, **TOL)
-    for axis in ("t", "h"):
+    for axis in names:
         reduce_grads(model, mesh, mesh_axis=axis)
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         got = DTensor.from_local(p.grad, mesh, [Replicate()] * mesh.ndim, run_check=False)
