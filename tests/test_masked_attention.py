@@ -8,18 +8,24 @@ wrong frame changes the output by O(0.1).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from haloshard import HaloError, frame_attention
 from haloshard.testing import (
     assert_close_per_rank,
+    counted_collectives,
     rank_map,
     seeded_randn,
     shard,
     simulated_mesh,
     single_device,
+    worker_mesh,
 )
 
 TOL = {"atol": 1e-12, "rtol": 1e-12}
@@ -57,3 +63,33 @@ def test_frame_attention(frames: int, world: int, causal: bool) -> None:
                                   **TOL)
         with pytest.raises(HaloError, match="one shape"):
             frame_attention(local[0], local[1][..., :2], local[2], mesh, global_length=frames)
+
+
+def frame_attention_steady_state() -> dict[str, Any]:
+    """With a style's agreements (`_reuse`), K and V are agreed at the first call, then
+    gathered with no metadata collective; exact against one device each time."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = worker_mesh(world)
+    q, k, v = (seeded_randn((1, 2, 5, 4, 3), seed) for seed in range(3))
+    with single_device():
+        out, gq, gk, gv = reference(q, k, v, True)
+    store: dict[Any, Any] = {}
+    counts, errors = [], []
+    for _ in range(2):
+        local = [shard(x, 2, world, rank).clone().requires_grad_() for x in (q, k, v)]
+        with counted_collectives(by_dtype=True) as calls:
+            y = frame_attention(*local, mesh, global_length=5, _reuse=(store, "signature"))
+        y.sum().backward()
+        counts.append(dict(calls))
+        wants = [(y, out), *((x.grad, g) for x, g in zip(local, (gq, gk, gv), strict=True))]
+        errors.append(max((a - shard(b, 2, world, rank)).abs().max().item() for a, b in wants))
+    return {"counts": counts, "errors": errors}
+
+
+@pytest.mark.gloo
+def test_frame_attention_steady_state(gloo: Callable[[int], Any]) -> None:
+    for got in gloo(2).run(frame_attention_steady_state, timeout=120):
+        first, later = got["counts"]
+        assert first == {"all_gather_single (metadata)": 1, "all_gather_single": 1}, first
+        assert later == {"all_gather_single": 1}, later  # K and V in one gather, no metadata
+        assert max(got["errors"]) <= 1e-12, got

@@ -9,9 +9,7 @@ collectives, which this counts separately. Float64; tolerances as in test_hooks.
 from __future__ import annotations
 
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,37 +21,16 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from haloshard import HaloError, HaloParallel, HaloShard
-from haloshard.testing import reference_halo, seeded_randn, shard, single_device, worker_mesh
+from haloshard.testing import (
+    counted_collectives,
+    reference_halo,
+    seeded_randn,
+    shard,
+    single_device,
+    worker_mesh,
+)
 
 TOL = {"atol": 1e-12, "rtol": 1e-10}
-_COLLECTIVES = ("all_gather_single", "all_to_all_single", "all_gather_into_tensor",
-                "reduce_scatter_single", "all_reduce", "batch_isend_irecv", "broadcast")
-
-
-@contextmanager
-def counted(*, by_dtype: bool = False) -> Iterator[Counter[str]]:
-    """Count c10d collectives issued in this process (haloshard's eager calls); with
-    `by_dtype`, all-gathers of int64 rows (metadata) apart from the others (data)."""
-    calls: Counter[str] = Counter()
-    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
-
-    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            meta = (by_dtype and name.startswith("all_gather")
-                    and args[1].dtype == torch.int64)
-            calls[f"{name} (metadata)" if meta else name] += 1
-            return fn(*args, **kwargs)
-        return call
-
-    for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield calls
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
 class Causal(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -86,9 +63,9 @@ def steady_state() -> dict[str, Any]:
     for _ in range(3):
         leaf = local.clone().requires_grad_()
         x = DTensor.from_local(leaf, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
-        with counted() as forward:
+        with counted_collectives() as forward:
             y = model(x)
-        with counted() as backward:
+        with counted_collectives() as backward:
             y.to_local().sum().backward()
         counts.append((dict(forward), dict(backward)))
         errors.append((y.to_local() - shard(expected, 2, 2, rank)).abs().max().item())
@@ -141,7 +118,7 @@ def function_steady_state() -> dict[str, Any]:
     counts, errors = [], []
     for _ in range(3):
         leaf = local.clone().requires_grad_()
-        with counted() as calls:
+        with counted_collectives() as calls:
             y = halo_exchange(leaf, left=2, right=1, dim=2, group=mesh, pad="replicate",
                               global_length=7, agreements=store)
             y.sum().backward()
@@ -213,7 +190,7 @@ def attention_steady_state() -> dict[str, Any]:
     for _ in range(3):
         x = DTensor.from_local(local.clone().requires_grad_(), mesh, [Shard(2)],
                                shape=full.shape, stride=full.stride())
-        with counted(by_dtype=True) as forward:
+        with counted_collectives(by_dtype=True) as forward:
             y = model(x)
         y.to_local().sum().backward()
         counts.append(dict(forward))

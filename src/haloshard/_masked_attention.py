@@ -6,7 +6,7 @@ causal mask (Mochi). Built on one device, that mask is a dense `(T*H*W)^2` tenso
 stacks have run out of memory building it. Here each rank builds only its queries' part,
 `(T_r, T)` frame indices, compared by broadcasting: no `(N_r, N)` tensor of booleans is ever
 materialised apart from the scores themselves. Keys and values are all-gathered along T
-(`gather_along`); the backward reduce-scatters their gradients.
+(one `gather_many` for both); the backward reduce-scatters their gradients.
 
 Tokens stay in `(..., T_r, S, E)` form (S tokens per frame) throughout: flattening a
 per-rank T_r into tokens is a reshape that `LocalTensorMode` cannot run, and keeping the
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from haloshard._attention import gather_along
+from haloshard._attention import Reuse, gather_many
 from haloshard._comm import Group, GroupLike, resolve_group
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
@@ -40,7 +40,8 @@ def _later(rank: int, length: int, world: int, per_frame: int, padded: bool,
 
 def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike, *,
                     global_length: int, causal: bool = True, scale: float | None = None,
-                    frames: int | torch.SymInt | None = None) -> torch.Tensor:
+                    frames: int | torch.SymInt | None = None, _reuse: Reuse | None = None
+                    ) -> torch.Tensor:
     """Softmax attention of this rank's frames' queries over every frame's keys and values.
 
     Forward: q, k, v `(..., T_r, S, E)` -> `(..., T_r, S, E)`, keys and values all-gathered
@@ -57,6 +58,8 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gr
             chunk, `shard_sizes(T, P)[0]` frames; None: no padding. Padding keeps shapes
             equal across simulated ranks (under `LocalTensorMode` some kernels branch on
             sizes); its outputs are to be dropped.
+        _reuse: for haloshard's styles: their agreements and the call's global signature
+            (see `gather_many`); K and V travel in one gather either way.
 
     Returns:
         This rank's chunk of the attention output, `(..., T_r, S, E)`.
@@ -76,18 +79,19 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gr
     if frames is None and enabled_local_tensor_mode() is not None:
         n = q.shape[-3]
         padded = F.pad(q, (0, 0, 0, 0, 0, lack(n, longest)))
-        out = _attend(padded, k, v, group, grp, global_length, causal, scale, True)
+        out = _attend(padded, k, v, group, grp, global_length, causal, scale, True, _reuse)
         return out.narrow(-3, 0, n)
     if frames is not None:
         k, v = k.narrow(-3, 0, frames), v.narrow(-3, 0, frames)
-    return _attend(q, k, v, group, grp, global_length, causal, scale, frames is not None)
+    return _attend(q, k, v, group, grp, global_length, causal, scale, frames is not None,
+                   _reuse)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike, grp: Group,
-            length: int, causal: bool, scale: float | None, padded: bool) -> torch.Tensor:
+            length: int, causal: bool, scale: float | None, padded: bool,
+            reuse: Reuse | None) -> torch.Tensor:
     """Queries `(..., rows, S, E)` (padded: the longest chunk) over the gathered k, v."""
-    k_all, v_all = (gather_along(t, t.ndim - 3, group, global_length=length)
-                    for t in (k, v))
+    k_all, v_all = gather_many((k, v), k.ndim - 3, group, global_length=length, reuse=reuse)
     s = scale if scale is not None else q.shape[-1] ** -0.5
     # Queries as rows (s, t): (..., S * rows, E), one plain matmul against every key. The
     # per-rank T_r must stay out of broadcast batch dims: under LocalTensorMode matmul

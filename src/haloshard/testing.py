@@ -11,6 +11,7 @@ rank's value back as plain tensors.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib.util
 import inspect
@@ -264,6 +265,40 @@ def worker_mesh(shape: int | Sequence[int], *,
     if key not in _WORKER_MESHES:
         _WORKER_MESHES[key] = init_device_mesh("cpu", dims, mesh_dim_names=key[1])
     return _WORKER_MESHES[key]
+
+
+_COLLECTIVES = ("all_gather_single", "all_to_all_single", "all_gather_into_tensor",
+                "reduce_scatter_single", "all_reduce", "batch_isend_irecv", "broadcast")
+
+
+@contextlib.contextmanager
+def counted_collectives(*, by_dtype: bool = False) -> Iterator[collections.Counter[str]]:
+    """Count the eager c10d collectives this process issues in the block, by name; with
+    `by_dtype`, all-gathers of int64 rows (metadata) count apart from the rest (data).
+
+    Example::
+        >>> with counted_collectives(by_dtype=True) as calls:
+        ...     y = model(x)  # a parallelized model after its first call
+        >>> dict(calls)
+        {'all_to_all_single': 3}
+    """
+    calls: collections.Counter[str] = collections.Counter()
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            meta = by_dtype and name.startswith("all_gather") and args[1].dtype == torch.int64
+            calls[f"{name} (metadata)" if meta else name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 def per_rank(tensor: torch.Tensor) -> dict[int, torch.Tensor]:

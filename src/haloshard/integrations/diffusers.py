@@ -43,6 +43,7 @@ diffusers is imported only when a function here is called.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from haloshard import _segments
-from haloshard._attention import gather_along
+from haloshard._attention import gather_many
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
 from haloshard._forward import (
@@ -66,6 +67,7 @@ from haloshard._forward import (
 from haloshard._hooks import (
     Annotation,
     _dtensor_site,
+    _Site,
     attach,
 )
 from haloshard._layer_styles import (
@@ -209,6 +211,19 @@ class _MidBlockForward(ShardedForward):
         return h
 
 
+# Gathers (K/V, CogVideoX's latent) agreed per module and global signature: a later forward
+# issues no metadata collective (see `gather_many`).
+_AGREED: weakref.WeakKeyDictionary[nn.Module, dict[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _reuse(module: nn.Module, site: _Site) -> tuple[dict[Any, Any], Any]:
+    """`module`'s agreements and the global signature of a gather of `site`'s chunk."""
+    x = site.local
+    return _AGREED.setdefault(module, {}), (site.shape, site.placements, id(site.mesh),
+                                            site.axis, x.dtype, x.requires_grad,
+                                            torch.is_grad_enabled())
+
+
 def _causal_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     """`Attention` (AttnProcessor2_0) over the T*H*W tokens of `h` with the mid-block's
     block-causal frame mask: the processor's steps on this rank's `(B, C, T_r, H, W)`."""
@@ -226,7 +241,7 @@ def _causal_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     height, width = tokens.shape[2], tokens.shape[3]
     q, k, v = (_heads(lin(tokens), attn.heads) for lin in (attn.to_q, attn.to_k, attn.to_v))
     o = frame_attention(q, k, v, group, global_length=site.length, causal=True,
-                        frames=n if padded else None)
+                        frames=n if padded else None, _reuse=_reuse(attn, site))
     o = o.permute(0, 2, 3, 1, 4).flatten(-2)  # (B, T_r, H*W, C)
     o = attn.to_out[1](attn.to_out[0](o)).unflatten(2, (height, width)).movedim(-1, 1)
     if padded:
@@ -302,7 +317,8 @@ class _SpatialNormForward(ShardedForward):
         group, n = (site.mesh, site.axis), site.local.shape[self.dim]
         world = site.mesh.size(site.axis)
         # zq is the latent: small. Gather it, resize H and W, pick each local frame's source.
-        z_all = gather_along(z_site.local, self.dim, group, global_length=z_site.length)
+        (z_all,) = gather_many((z_site.local,), self.dim, group, global_length=z_site.length,
+                               reuse=_reuse(m, z_site))
         z_all = F.interpolate(z_all, size=(z_site.length, *f.shape[-2:]))
         rows = shard_sizes(site.length, world)[0] if enabled_local_tensor_mode() is not None \
             else None
@@ -418,7 +434,7 @@ def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     q, k, v = heads(attn.to_q, attn.norm_q), heads(attn.to_k, attn.norm_k), \
         heads(attn.to_v, None)
     o = frame_attention(q, k, v, group, global_length=site.length, causal=True,
-                        frames=n if padded else None)
+                        frames=n if padded else None, _reuse=_reuse(attn, site))
     o = o.squeeze(-2).transpose(-3, -2).flatten(-2).contiguous()  # (B, H, W, T_r, C)
     o = attn.to_out[1](attn.to_out[0](o))
     if attn.residual_connection:
