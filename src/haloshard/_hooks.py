@@ -510,9 +510,10 @@ def _dtensor_site(x: DTensor, dim: int, *, several: bool = False) -> _Site:
         if not several or d is None or d < 2 or d in [o for _, o in others]:
             raise HaloError(f"placement {p} is not supported beside Shard({dim}): expected "
                             "Replicate or Shard(0) (batch) on the other mesh axes"
-                            + ("" if several else "; only layers whose halo is derived "
-                               "(convs, pooling) and GroupNormParallel take a second "
-                               "sharded spatial dim"))
+                            + ("" if several else "; this layer takes one sharded "
+                               "spatial dim (HaloParallel, CausalConvParallel, "
+                               "FirstFrameParallel, LocalParallel, GroupNormParallel and "
+                               "AttentionParallel take a second)"))
         others.append((a, d))
     return _Site(LocalChunk.apply(x), x.device_mesh, axes[0], tuple(x.placements),
                  tuple(x.shape), dim, tuple(others))
