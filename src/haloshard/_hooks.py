@@ -648,6 +648,8 @@ class _NoPadAlong(TorchFunctionMode):
             self._refuse_own_padding(func, args, kwargs)
         elif self.spec is not None and func is F.pad:
             args, kwargs = self._strip(list(args), kwargs)
+            if not any(args[1]):  # nothing left to pad: F.pad would copy the window
+                return args[0]
         elif self.spec is not None and func in _CATS:
             pieces = args[0] if args else kwargs["tensors"]
             along = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
