@@ -20,6 +20,7 @@ then. Inside that wrapper:
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -76,6 +77,13 @@ _ANNOTATION = "_haloshard_annotation"
 # it holds an input-sized window more, and a smaller difference is within the run-to-run
 # noise of one timed forward on a shared CPU (3% or more).
 _EXCHANGE_FIRST_MARGIN = 0.05
+# Where the corrected path's extra work (one frame conv per halo tap, `(left + right) /
+# (k * T_r)` of the chunk's own conv) is at most this share, the layer overlaps without a
+# trial: exchange-first runs the same FLOPs through another kernel path (measured 1.008 to
+# 1.33 of the chunk's conv), copies the input twice (window, gradient) and holds the window.
+_CLEAR_CORRECTION_SHARE = 0.1
+# Timed rounds of each formulation after an untimed one (the median decides).
+_TRIAL_ROUNDS = 3
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 _CONV_FNS = (F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d)
 _F_PAD_MODE = {"constant": "zeros", "replicate": "replicate", "reflect": "reflect",
@@ -311,20 +319,25 @@ class _HaloForward(ShardedForward):
     def overlaps(self, site: _Site, plan: WindowPlan, reuse: Reuse) -> bool:
         """Whether this call runs the conv as `halo_conv` (the chunk's own conv while the halo
         travels, boundary corrections once it arrives) or exchanges first: as given, or
-        (`overlap=None`) decided once per global input signature. Where both can be timed
-        (eager c10d, not deterministic mode), each runs its forward twice and the faster is
-        kept, as `cudnn.benchmark` does: on CPU no engine moves the halo beside the conv,
-        and which formulation oneDNN runs faster depends on the shape. Exchange-first, which
-        holds an input-sized window more, must be `_EXCHANGE_FIRST_MARGIN` faster to be
-        kept. Elsewhere (compiled, simulated, deterministic) it overlaps. Every rank takes
-        the same choice (one small gather of the timings, once)."""
+        (`overlap=None`) decided once per global input signature. Where the corrections
+        are a small share of the conv (`_correction_share`, from the global shape: the
+        same on every rank, no collective) it overlaps. Otherwise, where both can be timed
+        (eager c10d, not deterministic mode), each runs its forward `_TRIAL_ROUNDS` times
+        after a warm-up and the medians decide, as `cudnn.benchmark` does: on CPU no engine
+        moves the halo beside the conv, and which formulation oneDNN runs faster depends on
+        the shape. Exchange-first, which holds an input-sized window more, must be
+        `_EXCHANGE_FIRST_MARGIN` faster to be kept. Elsewhere (compiled, simulated,
+        deterministic) it overlaps. Every rank takes the same choice (one small gather of
+        the timings, once)."""
         if self.overlap is not None:
             return self.overlap
         x = site.local
         key = (site.shape, x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad)
         if key not in self.chosen:
             timed = _comm.is_eager(x) and not torch.are_deterministic_algorithms_enabled()
-            self.chosen[key] = not timed or self.faster_overlapped(site, plan, reuse)
+            share = _correction_share(self.module, plan, site)
+            clear = share is not None and share <= _CLEAR_CORRECTION_SHARE
+            self.chosen[key] = not timed or clear or self.faster_overlapped(site, plan, reuse)
         return self.chosen[key]
 
     def faster_overlapped(self, site: _Site, plan: WindowPlan, reuse: Reuse) -> bool:
@@ -334,16 +347,17 @@ class _HaloForward(ShardedForward):
         paths = {True: lambda: _overlapped_conv(self.module, site, plan, self.annotation,
                                                 reuse),
                  False: lambda: self.exchange_first(site, plan, reuse)}
-        best = dict.fromkeys(paths, math.inf)
+        times: dict[bool, list[float]] = {overlapped: [] for overlapped in paths}
         with torch.no_grad():
-            for _ in range(2):  # round-robin, the best of two: the first of each warms up
+            for _ in range(1 + _TRIAL_ROUNDS):  # round-robin; the first round warms up
                 for overlapped, path in paths.items():
                     start = time.perf_counter()
                     path()
-                    best[overlapped] = min(best[overlapped], time.perf_counter() - start)
+                    times[overlapped].append(time.perf_counter() - start)
+        median = {o: statistics.median(t[1:]) for o, t in times.items()}
         # One choice for every rank (their backward collectives differ when the input needs
         # no gradient): the summed times decide, from one gather of two ints per rank.
-        mine = torch.tensor([round(best[True] * 1e6), round(best[False] * 1e6)])
+        mine = torch.tensor([round(median[True] * 1e6), round(median[False] * 1e6)])
         rows = _comm.gather_ints(mine, _comm.resolve_group((site.mesh, site.axis)),
                                  what="choice of formulation")
         first = sum(r[1] for r in rows)
@@ -364,6 +378,18 @@ def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan, s
     return (isinstance(stencil, ConvStencil) and stencil.stride == 1 and stencil.fill is None
             and plan.out_length == plan.length and plan.left + plan.right == stencil.span - 1
             and not (padded and min(shard_sizes(site.length, site.mesh.size(site.axis))) == 0))
+
+
+def _correction_share(module: nn.Module, plan: WindowPlan, site: _Site) -> float | None:
+    """The corrected path's extra work over the chunk's own conv, `(left + right) / (k *
+    T_min)` (one frame conv per halo tap, each `1 / (k * T_r)` of the chunk's conv; the
+    shortest chunk bounds it), or None where `halo_conv` would not run that path (unequal
+    halos, a chunk shorter than the reach). The same on every rank: global shape only."""
+    shortest = min(shard_sizes(site.length, site.mesh.size(site.axis)))
+    reach = plan.left + plan.right
+    if not isinstance(module, _CONVS) or plan.left != plan.right or shortest < max(reach, 1):
+        return None
+    return reach / (int(module.weight.shape[site.dim]) * shortest)  # weight: (O, I, k...)
 
 
 def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
