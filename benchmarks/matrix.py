@@ -4,7 +4,9 @@
 layer, parallelizes copies of it with `parallelize_module(..., HaloParallel(...))` and feeds a
 `Shard(2)` DTensor, forward + backward, against the floor: the same layer on the same local
 chunk with its own padding along T (no communication, no halo). Contenders run round-robin
-after an untimed warm-up round; the median of --iters per contender, the slowest rank's.
+after an untimed warm-up round, each leading the round in turn; every ratio is paired: the
+median over the --iters rounds of one contender's time over another's in the same round,
+each the slowest rank's (a busy spell of the shared machine slows both alike).
 
 Columns, per shape (time over the floor's):
 - `default`: `HaloParallel()`: the faster of the two below, picked by timing both once at
@@ -12,7 +14,8 @@ Columns, per shape (time over the floor's):
 - `overlap`: `HaloParallel(overlap=True)`: `halo_conv`, the chunk's own conv while the halo
   travels, then boundary corrections (equal halos; a causal wrapper always exchanges first);
 - `no ovl`: `HaloParallel(overlap=False)`: exchange first, then the layer;
-- `dflt/best`: the default over the faster of the two in this run;
+- `dflt/best`: the default over the faster of the two in this run (the one with the lower
+  ratio to the floor), paired round by round;
 - `sent / halo`: bytes the rank sent in all-to-alls per step over the halo bytes it owes
   (forward: its edge slices its neighbours need; backward: the gradients of the halo slices
   it received), 1.00: only halo bytes cross the wire;
@@ -196,11 +199,12 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
     for step in steps.values():  # untimed: plans, buffers, first collectives, the heap
         step()
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(iters):  # round-robin: a busy spell of the machine hits every step alike
-        for name, step in steps.items():
+    names = list(steps)
+    for i in range(iters):  # round-robin: a busy spell of the machine hits every step alike
+        for name in names[i % len(names):] + names[: i % len(names)]:  # each leads in turn
             dist.barrier()
             start = time.perf_counter()
-            step()
+            steps[name]()
             times[name].append((time.perf_counter() - start) * 1e3)
     with _Count() as count:
         steps["default"]()
@@ -212,9 +216,20 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
     # this rank received, back to their owners
     halo = (sum(plan.send_splits) + sum(plan.recv_splits)) * slice_bytes
     peaks = {name: _peak_bytes(steps[name]) for name in ("floor", "default", "overlap")}
-    return {"ms": {n: statistics.median(t) for n, t in times.items()},
+    return {"ms": times,
             "sent": count.sent / halo if halo else float("nan"), "meta": count.meta,
             "peak": peaks, "halo": (left + right) * slice_bytes}
+
+
+def _ratios(ranks: list[dict[str, Any]]) -> Callable[[str, str], float]:
+    """`ratio(a, b)`: the median over rounds of `a`'s time over `b`'s in the same round, each
+    the slowest rank's (paired: a busy spell of the machine slows both alike)."""
+    def slowest(name: str) -> list[float]:
+        return [max(r) for r in zip(*(rank["ms"][name] for rank in ranks), strict=True)]
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(slowest(a), slowest(b), strict=True))
+    return ratio
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,16 +250,16 @@ def main(argv: list[str] | None = None) -> None:
     with GlooWorld(args.ranks, timeout=3600) as gloo:
         for case in cases:
             ranks = gloo.run(rank_case, tuple(case), args.iters, args.device)
-            ms = {n: max(r["ms"][n] for r in ranks) for n in ranks[0]["ms"]}
+            ratio = _ratios(ranks)
             peak, peak_ovl = (max(r["peak"][n] / max(r["peak"]["floor"], 1) for r in ranks)
                               for n in ("default", "overlap"))
             limit = max((r["peak"]["floor"] + r["halo"]) * 1.05 / max(r["peak"]["floor"], 1)
                         for r in ranks)
-            default = ms["default"] / ms["floor"]
-            best = min(ms["overlap"], ms["no overlap"])
+            default = ratio("default", "floor")
+            best = min(("overlap", "no overlap"), key=lambda n: ratio(n, "floor"))
             worst = max(worst, (case.name, default), key=lambda w: w[1])
-            print(f"{case.name:<36} {default:>8.3f} {ms['overlap'] / ms['floor']:>8.3f} "
-                  f"{ms['no overlap'] / ms['floor']:>8.3f} {ms['default'] / best:>9.3f} "
+            print(f"{case.name:<36} {default:>8.3f} {ratio('overlap', 'floor'):>8.3f} "
+                  f"{ratio('no overlap', 'floor'):>8.3f} {ratio('default', best):>9.3f} "
                   f"{max(r['sent'] for r in ranks):>10.2f} {max(r['meta'] for r in ranks):>5} "
                   f"{peak:>11.3f} {peak_ovl:>7.3f} {limit:>6.3f}")
     print(f"worst default / floor: {worst[1]:.3f} ({worst[0]})")
