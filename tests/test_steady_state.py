@@ -206,3 +206,12 @@ def test_long_chunks_overlap_without_a_trial(gloo: Callable[[int], Any]) -> None
         # the exchange's agreement (one gather) and the halo move: no timed trial
         assert got["forward"] == {"all_gather_single": 1, "all_to_all_single": 1}, got
         assert got["chosen"] == [True], got
+
+
+def test_exchange_first_only_when_clearly_faster() -> None:
+    from haloshard._hooks import _overlap_kept
+
+    # per rank: (overlapped conv's fastest round, exchange-first's slowest round), in us
+    assert _overlap_kept([[1000, 950], [1000, 930]])  # 6% faster: within the margin
+    assert not _overlap_kept([[1000, 850], [1000, 880]])  # 13% faster: exchange first
+    assert _overlap_kept([[1000, 700], [1000, 1400]])  # one rank's gain is the other's loss

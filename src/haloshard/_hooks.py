@@ -81,8 +81,7 @@ _EXCHANGE_FIRST_MARGIN = 0.1
 # trial: exchange-first runs the same FLOPs through another kernel path (measured 1.008 to
 # 1.33 of the chunk's conv), copies the input twice (window, gradient) and holds the window.
 _CLEAR_CORRECTION_SHARE = 0.1
-# Timed rounds of each formulation after an untimed one (the fastest counts: other work on
-# the machine only adds time).
+# Timed rounds of each formulation after an untimed one.
 _TRIAL_ROUNDS = 3
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 _CONV_FNS = (F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d)
@@ -323,10 +322,11 @@ class _HaloForward(ShardedForward):
         are a small share of the conv (`_correction_share`, from the global shape: the
         same on every rank, no collective) it overlaps. Otherwise, where both can be timed
         (eager c10d, not deterministic mode), each runs its forward `_TRIAL_ROUNDS` times
-        after a warm-up and the fastest rounds decide, as `cudnn.benchmark` does: on CPU no
-        engine moves the halo beside the conv, and which formulation oneDNN runs faster
-        depends on the shape. Exchange-first, which holds an input-sized window more, must
-        be `_EXCHANGE_FIRST_MARGIN` faster to be kept. Elsewhere (compiled, simulated,
+        after a warm-up, as `cudnn.benchmark` does: on CPU no engine moves the halo beside
+        the conv, and which formulation oneDNN runs faster depends on the shape.
+        Exchange-first, which holds an input-sized window more, is kept only when its
+        slowest round is `_EXCHANGE_FIRST_MARGIN` faster than the overlapped conv's fastest
+        (contention on a shared CPU skews single rounds). Elsewhere (compiled, simulated,
         deterministic) it overlaps. Every rank takes the same choice (one small gather of
         the timings, once)."""
         if self.overlap is not None:
@@ -354,14 +354,27 @@ class _HaloForward(ShardedForward):
                     start = time.perf_counter()
                     path()
                     times[overlapped].append(time.perf_counter() - start)
-        best = {o: min(t[1:]) for o, t in times.items()}
-        # One choice for every rank (their backward collectives differ when the input needs
-        # no gradient): the summed times decide, from one gather of two ints per rank.
-        mine = torch.tensor([round(best[True] * 1e6), round(best[False] * 1e6)])
-        rows = _comm.gather_ints(mine, _comm.resolve_group((site.mesh, site.axis)),
-                                 what="choice of formulation")
-        first = sum(r[1] for r in rows)
-        return first >= (1 - _EXCHANGE_FIRST_MARGIN) * sum(r[0] for r in rows)
+        # Exchange-first must be clearly faster: its slowest round against the overlapped
+        # conv's fastest. One choice for every rank (their backward collectives differ when
+        # the input needs no gradient): the summed times decide, from one gather of two ints
+        # per rank.
+        mine = torch.tensor([round(min(times[True][1:]) * 1e6),
+                             round(max(times[False][1:]) * 1e6)])
+        return _overlap_kept(_comm.gather_ints(
+            mine, _comm.resolve_group((site.mesh, site.axis)), what="choice of formulation"))
+
+
+def _overlap_kept(rows: list[list[int]]) -> bool:
+    """From every rank's `(overlapped fastest, exchange-first slowest)` trial times: whether
+    the overlapped conv stays, i.e. exchange-first is not `_EXCHANGE_FIRST_MARGIN` faster
+    summed over ranks.
+
+    Example::
+        >>> _overlap_kept([[100, 95], [100, 93]]), _overlap_kept([[100, 85], [100, 88]])
+        (True, False)
+    """
+    first = sum(r[1] for r in rows)
+    return first >= (1 - _EXCHANGE_FIRST_MARGIN) * sum(r[0] for r in rows)
 
 
 def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan, site: _Site
