@@ -320,21 +320,24 @@ class _HaloForward(ShardedForward):
         travels, boundary corrections once it arrives) or exchanges first: as given, or
         (`overlap=None`) decided once per global input signature. Where the corrections
         are a small share of the conv (`_correction_share`, from the global shape: the
-        same on every rank, no collective) it overlaps. Otherwise, where both can be timed
-        (eager c10d, not deterministic mode), each runs its forward `_TRIAL_ROUNDS` times
-        after a warm-up, as `cudnn.benchmark` does: on CPU no engine moves the halo beside
-        the conv, and which formulation oneDNN runs faster depends on the shape.
-        Exchange-first, which holds an input-sized window more, is kept only when its
-        slowest round is `_EXCHANGE_FIRST_MARGIN` faster than the overlapped conv's fastest
-        (contention on a shared CPU skews single rounds). Elsewhere (compiled, simulated,
-        deterministic) it overlaps. Every rank takes the same choice (one small gather of
-        the timings, once)."""
+        same on every rank, no collective) it overlaps. Otherwise, on CPU (eager c10d, not
+        deterministic mode), each runs its forward `_TRIAL_ROUNDS` times after a warm-up, as
+        `cudnn.benchmark` does, in this process's CPU time (ranks sharing cores wait for
+        each other, which wall time would count): on CPU no engine moves the halo beside
+        the conv, and which formulation oneDNN runs faster depends on the shape (4 frames
+        of C256 exchanged first: 0.56 of the chunk's own padded conv). Exchange-first,
+        which holds an input-sized window more, is kept only when its slowest round is
+        `_EXCHANGE_FIRST_MARGIN` faster than the overlapped conv's fastest (contention on a
+        shared CPU skews single rounds). Elsewhere (GPUs, where the halo travels beside the
+        conv; compiled, simulated, deterministic) it overlaps. Every rank takes the same
+        choice (one small gather of the timings, once)."""
         if self.overlap is not None:
             return self.overlap
         x = site.local
         key = (site.shape, x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad)
         if key not in self.chosen:
-            timed = _comm.is_eager(x) and not torch.are_deterministic_algorithms_enabled()
+            timed = (_comm.is_eager(x) and x.device.type == "cpu"
+                     and not torch.are_deterministic_algorithms_enabled())
             share = _correction_share(self.module, plan, site)
             clear = share is not None and share <= _CLEAR_CORRECTION_SHARE
             self.chosen[key] = not timed or clear or self.faster_overlapped(site, plan, reuse)
@@ -351,9 +354,9 @@ class _HaloForward(ShardedForward):
         with torch.no_grad():
             for _ in range(1 + _TRIAL_ROUNDS):  # round-robin; the first round warms up
                 for overlapped, path in paths.items():
-                    start = time.perf_counter()
+                    start = time.process_time()
                     path()
-                    times[overlapped].append(time.perf_counter() - start)
+                    times[overlapped].append(time.process_time() - start)
         # Exchange-first must be clearly faster: its slowest round against the overlapped
         # conv's fastest. One choice for every rank (their backward collectives differ when
         # the input needs no gradient): the summed times decide, from one gather of two ints
