@@ -4,7 +4,10 @@
 layer, parallelizes copies of it with `parallelize_module(..., HaloParallel(...))` and feeds a
 `Shard(2)` DTensor, forward + backward, against the floor: the same layer on the same local
 chunk with its own padding along T (no communication, no halo). Contenders run round-robin
-after an untimed warm-up round; the median of --iters per contender, the slowest rank's.
+after an untimed warm-up round, each leading the round in turn; a round's time is its
+slowest rank's. Ratios are the median over the --iters rounds of the ratio within one round
+(paired: a busy spell of the shared machine slows both alike), or (`--stat min`) compare
+each contender's fastest round, as `timeit` does.
 
 Columns, per shape (time over the floor's):
 - `default`: `HaloParallel()`: the faster of the two below, picked by timing both once at
@@ -12,7 +15,14 @@ Columns, per shape (time over the floor's):
 - `overlap`: `HaloParallel(overlap=True)`: `halo_conv`, the chunk's own conv while the halo
   travels, then boundary corrections (equal halos; a causal wrapper always exchanges first);
 - `no ovl`: `HaloParallel(overlap=False)`: exchange first, then the layer;
-- `dflt/best`: the default over the faster of the two in this run;
+- `chose`: the formulation the default picked (`ovl` / `xf`, exchange first);
+- `chosen/best`: what the choice costs: the chosen formulation's time over the faster
+  forced one's in this run (the one with the lower ratio to the floor); 1 when it chose the
+  faster. The default runs the chosen formulation's code, so `default` against it
+  (`dflt/chsn`) is this machine's noise on one layer (same code, other rounds);
+- `taps`: kernel taps any exact formulation computes over the floor's (`Case.taps`): the
+  floor skips the taps reading its zero padding, the halo's are real work, so no exact
+  path can go below it where the conv's cost follows its taps;
 - `sent / halo`: bytes the rank sent in all-to-alls per step over the halo bytes it owes
   (forward: its edge slices its neighbours need; backward: the gradients of the halo slices
   it received), 1.00: only halo bytes cross the wire;
@@ -77,6 +87,16 @@ class Case(NamedTuple):
         dt = "" if self.dtype == torch.float32 else " bf16"
         return (f"{self.kind} C{self.channels} T{self.length}{' ' + sp if sp else ''} "
                 f"k{self.k}{' causal' if self.causal else ''}{dt}")
+
+    def taps(self, ranks: int) -> float:
+        """Kernel taps an exact formulation computes over the floor's, on the shortest
+        chunk `T_r`: the floor's conv skips the taps that read its zero padding (`k - 1` in
+        all), the halo's are real, so `k T_r / (k T_r - (k - 1))` (1 for a causal wrapper,
+        whose floor convolves replicated frames)."""
+        if self.causal:
+            return 1.0
+        taps = self.k * (self.length // ranks)
+        return taps / (taps - (self.k - 1))
 
     def layer(self) -> tuple[nn.Module, HaloShard | None]:
         n = 1 + len(self.spatial)
@@ -196,11 +216,12 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
     for step in steps.values():  # untimed: plans, buffers, first collectives, the heap
         step()
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(iters):  # round-robin: a busy spell of the machine hits every step alike
-        for name, step in steps.items():
+    names = list(steps)
+    for i in range(iters):  # round-robin: a busy spell of the machine hits every step alike
+        for name in names[i % len(names):] + names[: i % len(names)]:  # each leads in turn
             dist.barrier()
             start = time.perf_counter()
-            step()
+            steps[name]()
             times[name].append((time.perf_counter() - start) * 1e3)
     with _Count() as count:
         steps["default"]()
@@ -212,9 +233,29 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
     # this rank received, back to their owners
     halo = (sum(plan.send_splits) + sum(plan.recv_splits)) * slice_bytes
     peaks = {name: _peak_bytes(steps[name]) for name in ("floor", "default", "overlap")}
-    return {"ms": {n: statistics.median(t) for n, t in times.items()},
+    return {"ms": times,
             "sent": count.sent / halo if halo else float("nan"), "meta": count.meta,
-            "peak": peaks, "halo": (left + right) * slice_bytes}
+            "peak": peaks, "halo": (left + right) * slice_bytes,
+            # the default's choice (a causal wrapper always exchanges first)
+            "chose": "overlap" if any(default.forward.chosen.values()) else "no overlap"}
+
+
+_SHORT = {"overlap": "ovl", "no overlap": "xf"}
+
+
+def _ratios(ranks: list[dict[str, Any]], stat: str) -> Callable[[str, str], float]:
+    """`ratio(a, b)`: `a`'s time over `b`'s, a round's time being its slowest rank's. With
+    `stat="min"`, the fastest round of each (as `timeit` does: on a shared machine another
+    process's work only adds time); with "median", the median over rounds of the ratio in
+    the same round (paired: a busy spell of the machine slows both alike)."""
+    def slowest(name: str) -> list[float]:
+        return [max(r) for r in zip(*(rank["ms"][name] for rank in ranks), strict=True)]
+
+    def ratio(a: str, b: str) -> float:
+        if stat == "min":
+            return min(slowest(a)) / min(slowest(b))
+        return statistics.median(x / y for x, y in zip(slowest(a), slowest(b), strict=True))
+    return ratio
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -224,30 +265,44 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--full", action="store_true", help="the whole matrix")
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--stat", choices=("min", "median"), default="median",
+                        help="fastest round of each contender, or median of paired ratios")
     args = parser.parse_args(argv)
     steady_allocator()
     cases = [c for c in matrix(args.full) if args.only in c.name]
     print(f"halo conv step (fwd+bwd) over the floor, {args.ranks} gloo ranks, 1 thread each, "
-          f"median of {args.iters}, through parallelize_module on a Shard(2) DTensor")
-    print(f"{'shape':<36} {'default':>8} {'overlap':>8} {'no ovl':>8} {'dflt/best':>9} "
-          f"{'sent/halo':>10} {'meta':>5} {'peak/floor':>11} {'pk ovl':>7} {'limit':>6}")
-    worst = ("", 0.0)
+          f"{args.stat} of {args.iters} rounds, through parallelize_module on a Shard(2) "
+          "DTensor")
+    print(f"{'shape':<36} {'default':>8} {'overlap':>8} {'no ovl':>8} {'chose':>6} "
+          f"{'chosen/best':>11} {'dflt/chsn':>9} {'taps':>6} {'sent/halo':>10} {'meta':>5} "
+          f"{'peak/floor':>11} {'pk ovl':>7} {'limit':>6}")
+    worst = worst_best = ("", 0.0)
     with GlooWorld(args.ranks, timeout=3600) as gloo:
         for case in cases:
             ranks = gloo.run(rank_case, tuple(case), args.iters, args.device)
-            ms = {n: max(r["ms"][n] for r in ranks) for n in ranks[0]["ms"]}
+            ratio = _ratios(ranks, args.stat)
             peak, peak_ovl = (max(r["peak"][n] / max(r["peak"]["floor"], 1) for r in ranks)
                               for n in ("default", "overlap"))
             limit = max((r["peak"]["floor"] + r["halo"]) * 1.05 / max(r["peak"]["floor"], 1)
                         for r in ranks)
-            default = ms["default"] / ms["floor"]
-            best = min(ms["overlap"], ms["no overlap"])
+            default = ratio("default", "floor")
+            best = min(("overlap", "no overlap"), key=lambda n: ratio(n, "floor"))
+            chose = ranks[0]["chose"]
+            # the default runs its chosen formulation's code: what the choice costs is that
+            # formulation's time over the best's (1 when it chose the best)
+            # (a causal wrapper has one formulation: its two forced columns run the same)
+            cost = (1.0 if chose == best or case.causal
+                    else ratio(chose, "floor") / ratio(best, "floor"))
             worst = max(worst, (case.name, default), key=lambda w: w[1])
-            print(f"{case.name:<36} {default:>8.3f} {ms['overlap'] / ms['floor']:>8.3f} "
-                  f"{ms['no overlap'] / ms['floor']:>8.3f} {ms['default'] / best:>9.3f} "
-                  f"{max(r['sent'] for r in ranks):>10.2f} {max(r['meta'] for r in ranks):>5} "
-                  f"{peak:>11.3f} {peak_ovl:>7.3f} {limit:>6.3f}")
-    print(f"worst default / floor: {worst[1]:.3f} ({worst[0]})")
+            worst_best = max(worst_best, (case.name, cost), key=lambda w: w[1])
+            print(f"{case.name:<36} {default:>8.3f} {ratio('overlap', 'floor'):>8.3f} "
+                  f"{ratio('no overlap', 'floor'):>8.3f} {_SHORT[chose]:>6} {cost:>11.3f} "
+                  f"{ratio('default', chose):>9.3f} "
+                  f"{case.taps(args.ranks):>6.3f} {max(r['sent'] for r in ranks):>10.2f} "
+                  f"{max(r['meta'] for r in ranks):>5} {peak:>11.3f} {peak_ovl:>7.3f} "
+                  f"{limit:>6.3f}")
+    print(f"worst default / floor: {worst[1]:.3f} ({worst[0]}); worst chosen / best: "
+          f"{worst_best[1]:.3f} ({worst_best[0]})")
 
 
 if __name__ == "__main__":

@@ -598,3 +598,29 @@ def test_replicated_args_refuses_a_plain_chunk_simulated() -> None:
         x, _ = sharded(mesh, seeded_randn((1, 2, 6, 3), 1).double())
         with pytest.raises(HaloError, match=r"plain tensor of shape \(1, 2, 3, 3\) spans "):
             module(x, torch.ones(1, 2, 3, 3, dtype=torch.float64))
+
+
+class PadsAndKeeps(nn.Module):
+    """A causal wrapper that records what its `F.pad` along T returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, (3, 1, 1))
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padded = F.pad(x, (0, 0, 0, 0, 2, 0), mode="replicate")
+        self.seen.append(padded is x)
+        return self.conv(padded)
+
+
+@pytest.mark.simulated
+def test_dropped_pad_hands_the_window_over_simulated() -> None:
+    """The wrapper's own `F.pad` along T, dropped under the halo, returns the window itself:
+    `F.pad` by zero widths would copy it (an input-sized buffer the conv then saves)."""
+    with simulated_mesh(2) as mesh:
+        wrapper = PadsAndKeeps()
+        parallelize_module(wrapper, mesh, HaloParallel(HaloShard(2, left=2, pad="replicate")))
+        x, _ = sharded(mesh, seeded_randn((1, 2, 8, 3, 3), 0, torch.float32))
+        wrapper(x)
+    assert wrapper.seen == [True]

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from haloshard import HaloError, HaloParallel, HaloShard
+from haloshard._hooks import _TRIAL_ROUNDS
 from haloshard.testing import (
     counted_collectives,
     reference_halo,
@@ -90,9 +91,11 @@ def test_no_metadata_collective_after_the_first_call(gloo: Callable[[int], Any])
     for got in results:
         first, *later = got["counts"]
         # first call: each of the 3 halo layers agrees once (one int gather); layer 0 also
-        # times its two formulations' forward (overlap=None), twice each, and the ranks
-        # agree on the faster (one more gather)
-        assert first[0] == {"all_gather_single": 3 + 1, "all_to_all_single": 3 + 2 * 2}, first
+        # times its two formulations' forward (overlap=None: chunks of 3 frames, too short
+        # for the cost model), 1 + _TRIAL_ROUNDS times each, and the ranks agree on the
+        # faster (one more gather)
+        trials = 2 * (1 + _TRIAL_ROUNDS)
+        assert first[0] == {"all_gather_single": 3 + 1, "all_to_all_single": 3 + trials}, first
         for forward, backward in later:  # then exactly the halo moves, forward and backward
             assert forward == {"all_to_all_single": 3}, forward
             assert backward == {"all_to_all_single": 3}, backward
@@ -230,3 +233,35 @@ def test_attention_no_metadata_collective_after_the_first_call(
     other, bad = (r["raised"] for r in results)
     assert "differ from those agreed at this attention block's first call" in bad, bad
     assert "rank(s) [1] of the group passed this attention block" in other, other
+
+
+def long_chunks() -> dict[str, Any]:
+    """A conv whose chunks are long (16 frames each, k3: corrections 2/48 of the conv) at
+    its first call with overlap=None: chosen from the global shape, no trial, no gather."""
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    conv = nn.Conv3d(2, 2, 3, padding=1).double()
+    parallelize_module(conv, mesh, HaloParallel())
+    full = seeded_randn((1, 2, 32, 3, 3), 2).double()
+    leaf = shard(full, 2, 2, rank).clone().requires_grad_()
+    x = DTensor.from_local(leaf, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
+    with counted_collectives() as forward:
+        y = conv(x)
+    assert y.shape == full.shape
+    return {"forward": dict(forward), "chosen": list(conv.forward.chosen.values())}
+
+
+@pytest.mark.gloo
+def test_long_chunks_overlap_without_a_trial(gloo: Callable[[int], Any]) -> None:
+    for got in gloo(2).run(long_chunks, timeout=120):
+        # the exchange's agreement (one gather) and the halo move: no timed trial
+        assert got["forward"] == {"all_gather_single": 1, "all_to_all_single": 1}, got
+        assert got["chosen"] == [True], got
+
+
+def test_exchange_first_only_when_clearly_faster() -> None:
+    from haloshard._hooks import _overlap_kept
+
+    # per rank: (overlapped conv's fastest round, exchange-first's slowest round), in us
+    assert _overlap_kept([[1000, 950], [1000, 930]])  # 6% faster: within the margin
+    assert not _overlap_kept([[1000, 850], [1000, 880]])  # 13% faster: exchange first
+    assert _overlap_kept([[1000, 700], [1000, 1400]])  # one rank's gain is the other's loss
