@@ -27,7 +27,7 @@ from haloshard._comm import Group, GroupLike
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError, raise_rejected
 from haloshard._layout import LENIENT_PADS, PAD_MODES, check_pad_fits, shard_sizes
-from haloshard._plan import HaloFill, Held, exchange_plan, halo_fill
+from haloshard._plan import HaloFill, Held, Runs, as_runs, exchange_plan, halo_fill
 from haloshard._simulated import per_rank
 
 TRANSPORTS: tuple[str, ...] = ("all_to_all", "p2p", "allgather")
@@ -277,6 +277,54 @@ def _fill_tensors(
     return HaloFill(*(_index(getattr(fill, f.name), device) for f in fields(fill)))
 
 
+@dataclass(frozen=True)
+class _Runs:
+    """A plan's copies as runs `(position, source, n)` of slices along the dim, for plain
+    eager tensors: each run is one strided `narrow` copy, several times cheaper than an index
+    op on a strided dim. `send`: positions in the chunk of the rows sent, in order; `recv`,
+    `own`, `zero`, `dup_recv`, `dup_own`: positions in the halo buffer (see `HaloFill`) and
+    the received row or chunk position each copies."""
+
+    send: Runs
+    recv: Runs
+    own: Runs
+    zero: Runs
+    dup_recv: Runs
+    dup_own: Runs
+
+
+_MAX_RUNS = 16  # beyond: one index op per step costs less than a copy per run
+
+
+@lru_cache(maxsize=1024)
+def _plan_runs(
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, gap: int | None,
+    held: Held = (0, 0),
+) -> _Runs | None:
+    """The plan's copies as `_Runs` (None: more than `_MAX_RUNS`, index ops instead)."""
+    plan = exchange_plan(rank, lengths, left, right, pad, held)
+    f = halo_fill(plan, lengths[rank] + sum(held) if gap is None else gap)
+    runs = _Runs(send=as_runs(plan.send_idx, tuple(range(len(plan.send_idx)))),
+                 recv=as_runs(f.recv_pos, tuple(range(len(f.recv_pos)))),
+                 own=as_runs(f.own_pos, plan.self_idx), zero=as_runs(f.zero_pos, f.zero_pos),
+                 dup_recv=as_runs(f.dup_recv_pos, f.dup_recv_slot),
+                 dup_own=as_runs(f.dup_own_pos, f.dup_own_src))
+    return runs if sum(len(r) for r in vars(runs).values()) <= _MAX_RUNS else None
+
+
+def _blocks(t: torch.Tensor, dim: int, to_front: str, runs: Runs) -> list[torch.Tensor]:
+    """Views of `t`'s slices `position .. position + n` per run, `dim` moved to the front:
+    `(n, ...)` each, in order (one empty block when there is no run)."""
+    views = [t.narrow(dim, pos, n) for pos, _, n in runs] or [t.narrow(dim, 0, 0)]
+    return [rearrange(v, to_front) for v in views]
+
+
+def _copy_runs(out: torch.Tensor, src: torch.Tensor, dim: int, runs: Runs) -> None:
+    """`out[position .. + n] = src[source .. + n]` along `dim`, per run, in place."""
+    for pos, at, n in runs:
+        out.narrow(dim, pos, n).copy_(src.narrow(dim, at, n))
+
+
 # Decorated once here: building the wrapper inside a compiled region breaks dynamo's guards.
 _rank_plan_tensors = maybe_run_for_local_tensor(_plan_tensors)
 _rank_fill_tensors = per_rank(HaloFill)(_fill_tensors)
@@ -326,17 +374,20 @@ class _Route:
 
 
 def _forward_move(x: torch.Tensor, send_idx: torch.Tensor, gather_idx: torch.Tensor,
-                  route: _Route) -> _comm.Pending:
+                  route: _Route, runs: _Runs | None = None) -> _comm.Pending:
     """Start carrying the remote halo slices (async where the transport allows).
 
     Its result is the received buffer at the front; for `allgather`, every rank's
-    contribution (pick `gather_pick` out of it once it is needed).
+    contribution (pick `gather_pick` out of it once it is needed). With `runs`, the edge
+    slices go to the transport as views of `x`, packed with one copy.
     """
     if route.transport == "allgather":
         mine = rearrange(x.index_select(route.dim, gather_idx), route.to_front)
         filler = mine.new_zeros((route.gather_pad, *mine.shape[1:]))
         return _comm.Pending(_comm.all_gather(torch.cat([mine, filler]), route.group))
-    send = rearrange(x.index_select(route.dim, send_idx), route.to_front)
+    send: _comm.Rows = (
+        rearrange(x.index_select(route.dim, send_idx), route.to_front) if runs is None
+        else _blocks(x, route.dim, route.to_front, runs.send))
     if route.flagged:
         return _comm.start_flagged_all_to_all(send, route.recv_splits, route.send_splits,
                                               route.group, flag=0)
@@ -344,10 +395,12 @@ def _forward_move(x: torch.Tensor, send_idx: torch.Tensor, gather_idx: torch.Ten
     return move(send, route.recv_splits, route.send_splits, route.group)
 
 
-def _backward_move(g_recv: torch.Tensor, gather_idx: torch.Tensor, gather_pick: torch.Tensor,
+def _backward_move(g_recv: _comm.Rows, gather_idx: torch.Tensor, gather_pick: torch.Tensor,
                    route: _Route) -> _comm.Pending:
-    """Start the adjoint of `_forward_move`: received slices' gradients back to owners."""
+    """Start the adjoint of `_forward_move`: received slices' gradients back to owners
+    (`g_recv`: a tensor for `allgather`)."""
     if route.transport == "allgather":
+        assert isinstance(g_recv, torch.Tensor)
         g_every = g_recv.new_zeros(
             (route.group.size * (gather_idx.shape[0] + route.gather_pad), *g_recv.shape[1:]))
         g_every.index_add_(0, gather_pick, g_recv)
@@ -403,9 +456,17 @@ class HaloMove:
         return _rank_fill_tensors(r.group.rank, r.lengths, r.left, r.right, r.pad, device, gap,
                                   r.held)
 
+    def _runs(self, t: torch.Tensor, gap: int | None) -> _Runs | None:
+        """The copies as runs, for plain eager tensors (None: index ops)."""
+        if not _comm.is_eager(t):
+            return None
+        r = self.route
+        return _plan_runs(r.group.rank, r.lengths, r.left, r.right, r.pad, gap, r.held)
+
     def start(self, x: torch.Tensor) -> _comm.Pending:
         """Start moving `x`'s edge slices to the ranks that need them."""
-        return _forward_move(x, self.send_idx, self.gather_idx, self.route)
+        return _forward_move(x, self.send_idx, self.gather_idx, self.route,
+                             self._runs(x, None))
 
     def fill(self, out: torch.Tensor, x: torch.Tensor, moved: _comm.Pending,
              gap: int | None = None) -> None:
@@ -420,6 +481,15 @@ class HaloMove:
         if route.transport == "allgather":
             recv = recv.index_select(0, self.gather_pick)
         recv = rearrange(recv, route.from_front)
+        runs = self._runs(out, gap)
+        if runs is not None:
+            _copy_runs(out, recv, dim, runs.recv)
+            _copy_runs(out, x, dim, runs.own)
+            for pos, _, n in runs.zero:
+                out.narrow(dim, pos, n).fill_(0)
+            _copy_runs(out, recv, dim, runs.dup_recv)
+            _copy_runs(out, x, dim, runs.dup_own)
+            return
         f = self._fill_index(x.device, gap)
         # Indexed along `dim` of `out` itself, never through a permuted view of it, so that
         # torch.compile turns each into an in-place index_put on the output.
@@ -463,11 +533,16 @@ class HaloMove:
         """
         dim = self.route.dim
         f = self._fill_index(grad.device, gap)
-        g_recv = grad.index_select(dim, f.recv_pos).index_add_(
-            dim, f.dup_recv_slot, grad.index_select(dim, f.dup_recv_pos))
         g_own = grad.index_select(dim, f.own_pos).index_add_(
             dim, f.dup_own_slot, grad.index_select(dim, f.dup_own_pos))
-        g_recv = rearrange(g_recv, self.route.to_front)
+        runs = self._runs(grad, gap)
+        g_recv: _comm.Rows
+        if runs is not None and not runs.dup_recv and self.route.transport != "allgather":
+            g_recv = _blocks(grad, dim, self.route.to_front, runs.recv)  # packed once
+        else:
+            g_recv = rearrange(grad.index_select(dim, f.recv_pos).index_add_(
+                dim, f.dup_recv_slot, grad.index_select(dim, f.dup_recv_pos)),
+                self.route.to_front)
         return _backward_move(g_recv, self.gather_idx, self.gather_pick, self.route), g_own
 
     def fold(self, g_x: torch.Tensor, moved: _comm.Pending, g_own: torch.Tensor) -> None:
