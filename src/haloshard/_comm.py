@@ -276,8 +276,8 @@ def _contiguous(buf: Rows) -> torch.Tensor:
     if isinstance(buf, torch.Tensor):
         return buf.contiguous()
     full = [p for p in buf if p.shape[0]]
-    if len(full) == 1 and full[0].is_contiguous():
-        return full[0]
+    if len(full) == 1:
+        return full[0].contiguous()
     out = buf[0].new_empty((sum(p.shape[0] for p in buf), *buf[0].shape[1:]))
     _pack(buf, [out])
     return out

@@ -552,16 +552,17 @@ class HaloMove:
         gradient of this rank's own copied slices, None where it copied none).
         """
         dim = self.route.dim
-        f = self._fill_index(grad.device, gap)
         runs = self._runs(grad, gap)
         g_own = None
         if runs is None or runs.own or runs.dup_own:
+            f = self._fill_index(grad.device, gap)
             g_own = grad.index_select(dim, f.own_pos).index_add_(
                 dim, f.dup_own_slot, grad.index_select(dim, f.dup_own_pos))
         g_recv: _comm.Rows
         if runs is not None and not runs.dup_recv and self.route.transport != "allgather":
             g_recv = _blocks(grad, dim, runs.recv)  # packed once
         else:
+            f = self._fill_index(grad.device, gap)
             g_recv = grad.index_select(dim, f.recv_pos).index_add_(
                 dim, f.dup_recv_slot, grad.index_select(dim, f.dup_recv_pos)).movedim(dim, 0)
         return _backward_move(g_recv, self.gather_idx, self.gather_pick, self.route), g_own
