@@ -39,14 +39,21 @@ def _data(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor
 
 
 def case_exchange(mesh: DeviceMesh, ndim: int, dim: int, length: int, left: int, right: int,
-                  pad: str, transport: str, dtype: torch.dtype, seed: int) -> None:
-    """Forward bitwise equal to F.pad + slice; input gradient equal to autograd through it."""
+                  pad: str, transport: str, dtype: torch.dtype, seed: int,
+                  steady: bool = False) -> None:
+    """Forward bitwise equal to F.pad + slice; input gradient equal to autograd through it.
+
+    `steady`: the checked call is a layer's steady state (`agreements=` agreed by a first
+    call, so its move carries status flags)."""
     shape = list(SHAPES[ndim])
     shape[dim] = length
     full = _data(tuple(shape), dtype, seed)
     world = mesh.size()
     x = rank_map(mesh, lambda r: shard(full, dim, world, r).clone()).requires_grad_()
-    y = halo_exchange(x, left=left, right=right, dim=dim, group=mesh, pad=pad, transport=transport)
+    kw: dict = {"global_length": length, "agreements": {}} if steady else {}
+    for _ in range(2 if steady else 1):
+        y = halo_exchange(x, left=left, right=right, dim=dim, group=mesh, pad=pad,
+                          transport=transport, **kw)
     assert_close_per_rank(y, lambda r: reference_halo(full, left, right, dim, world, r, pad),
                           mesh)
 
@@ -132,6 +139,17 @@ def test_gloo(gloo, world: int) -> None:
                             transport, dtype, 7)
 
 
+@pytest.mark.gloo
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gloo_steady_state(gloo, world: int) -> None:
+    """Every geometry of this world size and pad mode through an agreed call site (the
+    flagged all-to-all a layer runs after its first call)."""
+    for w, ndim, dim, length, left, right, pad, _ in _cases(("all_to_all",)):
+        if w == world:
+            gloo(world).run(on_gloo, "case_exchange", ndim, dim, length, left, right, pad,
+                            "all_to_all", torch.float64, 11, True)
+
+
 CASE = st.tuples(
     st.integers(1, 4), st.sampled_from([(3, 1), (3, 2), (5, 1), (5, 2)]), st.integers(0, 9),
     st.integers(0, 7), st.integers(0, 7), st.sampled_from(PAD_MODES),
@@ -203,23 +221,26 @@ class _Writes(TorchDispatchMode):
         return out
 
 
-def case_writes(mesh: DeviceMesh, transport: str) -> None:
+def case_writes(mesh: DeviceMesh, transport: str, steady: bool) -> None:
     """On 2 ranks with a 1+1 halo: forward writes the chunk once plus four halo slices (send,
     receive, its place in the output, the zero halo at the global edge); backward writes the
-    chunk's gradient once plus three slices (send, receive, fold). No `cat`, no zero-filled
-    buffers that are overwritten."""
+    chunk's gradient once plus two slices (send, receive: a received gradient is added as its
+    slice of the chunk's gradient is written). No `cat`, no zero-filled buffers that are
+    overwritten. `steady`: an agreed call site (its move also carries one
+    status element per peer, and no metadata)."""
     chunk = torch.randn(1, 16, 8, 4, 4, requires_grad=True)
     slice_ = chunk.numel() // chunk.shape[2]
-    # plans, cached index tensors
-    y = halo_exchange(chunk, left=1, right=1, dim=2, group=mesh, transport=transport)
+    kw: dict = {"global_length": 16, "agreements": {}} if steady else {}
+    # plans, cached index tensors (and the agreement)
+    y = halo_exchange(chunk, left=1, right=1, dim=2, group=mesh, transport=transport, **kw)
     grad = torch.ones_like(y)
     with _Writes() as fwd:
-        y = halo_exchange(chunk, left=1, right=1, dim=2, group=mesh, transport=transport)
+        y = halo_exchange(chunk, left=1, right=1, dim=2, group=mesh, transport=transport, **kw)
     with _Writes() as bwd:
         torch.autograd.grad(y, chunk, grad)
     metadata = 64  # the agreement's int rows: 2 ranks x 18 fields, less than a slice
     for mode, bound in ((fwd, chunk.numel() + 4 * slice_ + metadata),
-                        (bwd, chunk.numel() + 3 * slice_)):
+                        (bwd, chunk.numel() + 2 * slice_)):
         names = [name for name, _ in mode.ops]
         assert not {"cat", "zeros", "new_zeros", "zeros_like", "zero_"} & set(names), names
         assert sum(n for _, n in mode.ops) <= bound, mode.ops
@@ -227,5 +248,5 @@ def case_writes(mesh: DeviceMesh, transport: str) -> None:
 
 @pytest.mark.gloo
 def test_gloo_writes_each_byte_once(gloo) -> None:
-    for transport in ("all_to_all", "p2p"):
-        gloo(2).run(on_gloo, "case_writes", transport)
+    for transport, steady in (("all_to_all", False), ("p2p", False), ("all_to_all", True)):
+        gloo(2).run(on_gloo, "case_writes", transport, steady)

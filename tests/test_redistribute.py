@@ -539,8 +539,10 @@ def _spy(calls: list[tuple[str, int]]) -> Callable[[], None]:
     saved = {name: getattr(_comm, name) for names in TRANSPORT_CALLS.values() for name in names}
 
     def spied(name: str, fn: Callable[..., object]) -> Callable[..., object]:
-        def run(buf: torch.Tensor, *args: object, **kwargs: object) -> object:
-            sent = sum(t.numel() * t.element_size() for t in per_rank(buf).values())
+        def run(buf: torch.Tensor | list[torch.Tensor], *args: object, **kwargs: object
+                ) -> object:
+            blocks = [buf] if isinstance(buf, torch.Tensor) else buf  # rows, or blocks of them
+            sent = sum(t.numel() * t.element_size() for b in blocks for t in per_rank(b).values())
             calls.append((name, sent))
             return fn(buf, *args, **kwargs)
         return run

@@ -41,6 +41,8 @@ from haloshard._errors import HaloError
 
 GroupLike = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str]
 _T = TypeVar("_T")
+# Rows to send along dim 0: one tensor, or blocks of them in order (see `start_all_to_all`).
+Rows = torch.Tensor | list[torch.Tensor]
 # What the collective in flight is for (e.g. a module's fqn), named in timeout errors. A
 # plain module-level value: set by whoever runs a layer (the hooks), read only on errors.
 current_label: str | None = None
@@ -212,8 +214,10 @@ class _Flags:
         at = torch.tensor([end - 1 for end in ends], device=flat.device)
         flags = flat.index_select(0, at)
         pieces = [flat.narrow(0, end - n * per_row - 1, n * per_row)
-                  for n, end in zip(self.recv_splits, ends, strict=True)]
-        data = torch.cat(pieces).view(sum(self.recv_splits), *self.row)
+                  for n, end in zip(self.recv_splits, ends, strict=True) if n]
+        # From one peer (2 ranks, or halos from one side): its rows, in place.
+        data = (pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces
+                else flat[:0]).view(sum(self.recv_splits), *self.row)
         if flat.device.type != "cpu":
             # Deferred: checked on the device, no host sync (a failure is a device assert).
             assert_async(flags.eq(0).all(), "a peer raised HaloError for this layer")
@@ -228,26 +232,55 @@ class _Flags:
 
 
 def start_flagged_all_to_all(
-    buf: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: Group, flag: int
+    buf: Rows, recv_splits: list[int], send_splits: list[int], group: Group, flag: int
 ) -> Pending:
     """`start_all_to_all` whose message to every peer (itself included) ends in one status
     element: 0, or 1 when this rank found a mistake and sends placeholder rows. The status
     rides in the move that happens anyway, so an agreed layer needs no metadata collective
-    for a mistake on one rank to raise on every rank."""
-    buf = buf.contiguous()
-    row = tuple(buf.shape[1:])
+    for a mistake on one rank to raise on every rank. `buf`: as for `start_all_to_all`."""
+    parts = [buf] if isinstance(buf, torch.Tensor) else buf
+    row = tuple(parts[0].shape[1:])
     per_row = math.prod(row)
-    send = buf.new_empty(sum(send_splits) * per_row + group.size)
-    flat, start, at = buf.reshape(-1), 0, 0
-    for n in send_splits:
-        send.narrow(0, at, n * per_row).copy_(flat.narrow(0, start, n * per_row))
-        send[at + n * per_row] = flag
-        start, at = start + n * per_row, at + n * per_row + 1
-    out = buf.new_empty(sum(recv_splits) * per_row + group.size)
+    send = parts[0].new_empty(sum(send_splits) * per_row + group.size)
+    ends = list(accumulate(n * per_row + 1 for n in send_splits))
+    _pack(parts, [send.narrow(0, end - n * per_row - 1, n * per_row).view(n, *row)
+                  for n, end in zip(send_splits, ends, strict=True)])
+    for end in ends:
+        send[end - 1] = flag
+    out = send.new_empty(sum(recv_splits) * per_row + group.size)
     work = dist.all_to_all_single(out, send, [n * per_row + 1 for n in recv_splits],
                                   [n * per_row + 1 for n in send_splits], group=group.pg,
                                   async_op=True)
     return Pending(out, (work,), flags=_Flags(tuple(recv_splits), row))
+
+
+def _pack(parts: list[torch.Tensor], segments: list[torch.Tensor]) -> None:
+    """Copy the rows of `parts` into `segments` (each list concatenated along dim 0, the same
+    number of rows in all): one strided copy per overlap, each row written once."""
+    parts = [p for p in parts if p.shape[0]]
+    segments = [s for s in segments if s.shape[0]]
+    i = j = at_part = at_seg = 0
+    while i < len(parts):
+        n = min(parts[i].shape[0] - at_part, segments[j].shape[0] - at_seg)
+        segments[j].narrow(0, at_seg, n).copy_(parts[i].narrow(0, at_part, n))
+        at_part, at_seg = at_part + n, at_seg + n
+        if at_part == parts[i].shape[0]:
+            i, at_part = i + 1, 0
+        if at_seg == segments[j].shape[0]:
+            j, at_seg = j + 1, 0
+
+
+def _contiguous(buf: Rows) -> torch.Tensor:
+    """`buf`'s rows as one contiguous tensor: itself when it is one, else a new buffer each
+    row is copied into once."""
+    if isinstance(buf, torch.Tensor):
+        return buf.contiguous()
+    full = [p for p in buf if p.shape[0]]
+    if len(full) == 1:
+        return full[0].contiguous()
+    out = buf[0].new_empty((sum(p.shape[0] for p in buf), *buf[0].shape[1:]))
+    _pack(buf, [out])
+    return out
 
 
 def gather_ints(values: torch.Tensor, group: Group, what: str = "halo metadata exchange"
@@ -267,13 +300,17 @@ def gather_ints(values: torch.Tensor, group: Group, what: str = "halo metadata e
 
 
 def start_all_to_all(
-    buf: torch.Tensor, recv_splits: list[Any], send_splits: list[Any], group: Group
+    buf: Rows, recv_splits: list[Any], send_splits: list[Any], group: Group
 ) -> Pending:
     """Start an all-to-all along dim 0 with per-peer split sizes (zero: no bytes to that
-    peer). The receive buffer is allocated uninitialised: the collective fills all of it."""
-    if not is_eager(buf):
+    peer). The receive buffer is allocated uninitialised: the collective fills all of it.
+
+    `buf`: the rows to send, `(rows, ...)`, or (eager tensors) a list of blocks of them in
+    order, views of any strides (e.g. a chunk's edge slices), each packed with one copy.
+    """
+    if isinstance(buf, torch.Tensor) and not is_eager(buf):
         return Pending(all_to_all_single(buf, recv_splits, send_splits, group.funcol_group))
-    buf = buf.contiguous()
+    buf = _contiguous(buf)
     out = buf.new_empty((sum(recv_splits), *buf.shape[1:]))
     work = dist.all_to_all_single(out, buf, list(recv_splits), list(send_splits),
                                   group=group.pg, async_op=True)
@@ -281,7 +318,7 @@ def start_all_to_all(
 
 
 def all_to_all(
-    buf: torch.Tensor, recv_splits: list[Any], send_splits: list[Any], group: Group
+    buf: Rows, recv_splits: list[Any], send_splits: list[Any], group: Group
 ) -> torch.Tensor:
     """All-to-all along dim 0 with per-peer split sizes, waited for."""
     return start_all_to_all(buf, recv_splits, send_splits, group).wait()
@@ -311,9 +348,10 @@ def reduce_scatter(buf: torch.Tensor, group: Group, what: str = "reduce-scatter"
 
 
 def start_p2p(
-    buf: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: Group
+    buf: Rows, recv_splits: list[int], send_splits: list[int], group: Group
 ) -> Pending:
-    """The all-to-all move done with `batch_isend_irecv`; eager, real groups only.
+    """The all-to-all move done with `batch_isend_irecv`; eager, real groups only. `buf`:
+    as for `start_all_to_all`.
 
     Send buffers are contiguous chunks of one buffer: gloo rejects strided sends, and a
     failure mid-batch would leave posted ops dangling.
@@ -328,7 +366,7 @@ def start_p2p(
             "transport='p2p' needs real processes; under LocalTensorMode use 'all_to_all' "
             "or 'allgather'"
         )
-    buf = buf.contiguous()
+    buf = _contiguous(buf)
     out = buf.new_empty((sum(recv_splits), *buf.shape[1:]))
     if buf.shape[1:].numel() == 0:
         return Pending(out)

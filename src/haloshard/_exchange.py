@@ -27,7 +27,7 @@ from haloshard._comm import Group, GroupLike
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError, raise_rejected
 from haloshard._layout import LENIENT_PADS, PAD_MODES, check_pad_fits, shard_sizes
-from haloshard._plan import HaloFill, Held, exchange_plan, halo_fill
+from haloshard._plan import HaloFill, Held, Runs, as_runs, exchange_plan, halo_fill
 from haloshard._simulated import per_rank
 
 TRANSPORTS: tuple[str, ...] = ("all_to_all", "p2p", "allgather")
@@ -99,16 +99,24 @@ def _as_int(value: object) -> int:
     return value if ok else -1  # type: ignore[return-value]
 
 
+def _row_values(
+    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str, error: bool
+) -> list[int]:
+    """This rank's metadata row, one int per `_FIELDS` entry."""
+    d = _as_int(dim) % max(x.ndim, 1) if not error else _as_int(dim)
+    sizes = [-1 if i == d else s for i, s in enumerate(x.shape[:_MAX_DIMS])]
+    pads = PAD_MODES + LENIENT_PADS
+    return [int(error), x.ndim, d, _as_int(left), _as_int(right), _code(pad, pads),
+            _code(transport, TRANSPORTS), _dtype_code(x.dtype), int(x.requires_grad),
+            x.shape[d] if not error else -1, *sizes, *[-1] * (_MAX_DIMS - len(sizes))]
+
+
 @maybe_run_for_local_tensor
 def _meta_row(
     x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str, error: bool
 ) -> torch.Tensor:
-    d = _as_int(dim) % max(x.ndim, 1) if not error else _as_int(dim)
-    sizes = [-1 if i == d else s for i, s in enumerate(x.shape[:_MAX_DIMS])]
-    pads = PAD_MODES + LENIENT_PADS
-    row = [int(error), x.ndim, d, _as_int(left), _as_int(right), _code(pad, pads),
-           _code(transport, TRANSPORTS), _dtype_code(x.dtype), int(x.requires_grad),
-           x.shape[d] if not error else -1, *sizes, *[-1] * (_MAX_DIMS - len(sizes))]
+    """`_row_values` as an int64 tensor on `x`'s device, to travel in the agreement."""
+    row = _row_values(x, left, right, dim, pad, transport, error)
     # A meta tensor's row must still travel (it is flagged as an error).
     device = torch.device("cpu") if x.device.type == "meta" else x.device
     return torch.tensor(row, dtype=torch.int64, device=device)
@@ -202,7 +210,7 @@ def _reuse_agreed(
     """
     row, lengths, dtype, slice_shape, device = agreed
     if problem is None:
-        own = _meta_row(x, left, right, dim, pad, transport, False).tolist()
+        own = _row_values(x, left, right, dim, pad, transport, False)  # no device sync
         wrong = [f for f, a, b in zip(_FIELDS, own, row, strict=True) if a != b]
         if wrong:
             problem = (f"this rank's tensor differs from the one agreed at this layer's first "
@@ -277,6 +285,59 @@ def _fill_tensors(
     return HaloFill(*(_index(getattr(fill, f.name), device) for f in fields(fill)))
 
 
+@dataclass(frozen=True)
+class _Runs:
+    """A plan's copies as runs `(position, source, n)` of slices along the dim, for plain
+    eager tensors: each run is one strided `narrow` copy, several times cheaper than an index
+    op on a strided dim. `send`: positions in the chunk of the rows sent, in order; `recv`,
+    `own`, `zero`, `dup_recv`, `dup_own`: positions in the halo buffer (see `HaloFill`) and
+    the received row or chunk position each copies."""
+
+    send: Runs
+    recv: Runs
+    own: Runs
+    zero: Runs
+    dup_recv: Runs
+    dup_own: Runs
+    kept: Runs | None  # chunk positions no halo gradient comes back to (None: one is sent twice)
+
+
+_MAX_RUNS = 16  # beyond: one index op per step costs less than a copy per run
+
+
+@lru_cache(maxsize=1024)
+def _plan_runs(
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, gap: int | None,
+    held: Held = (0, 0),
+) -> _Runs | None:
+    """The plan's copies as `_Runs` (None: more than `_MAX_RUNS`, index ops instead)."""
+    plan = exchange_plan(rank, lengths, left, right, pad, held)
+    f = halo_fill(plan, lengths[rank] + sum(held) if gap is None else gap)
+    kept = tuple(sorted(set(range(lengths[rank] + sum(held))) - set(plan.send_idx)))
+    runs = _Runs(send=as_runs(plan.send_idx, tuple(range(len(plan.send_idx)))),
+                 recv=as_runs(f.recv_pos, tuple(range(len(f.recv_pos)))),
+                 own=as_runs(f.own_pos, plan.self_idx), zero=as_runs(f.zero_pos, f.zero_pos),
+                 dup_recv=as_runs(f.dup_recv_pos, f.dup_recv_slot),
+                 dup_own=as_runs(f.dup_own_pos, f.dup_own_src),
+                 kept=as_runs(kept, kept) if len(set(plan.send_idx)) == len(plan.send_idx)
+                 else None)
+    count = sum(len(r) for r in vars(runs).values() if r is not None)
+    return runs if count <= _MAX_RUNS else None
+
+
+def _blocks(t: torch.Tensor, dim: int, runs: Runs) -> list[torch.Tensor]:
+    """Views of `t`'s slices `position .. position + n` per run, `dim` moved to the front:
+    `(n, ...)` each, in order (one empty block when there is no run)."""
+    views = [t.narrow(dim, pos, n) for pos, _, n in runs] or [t.narrow(dim, 0, 0)]
+    return [v.movedim(dim, 0) for v in views]
+
+
+def _copy_runs(out: torch.Tensor, src: torch.Tensor, dim: int, runs: Runs) -> None:
+    """`out[position .. + n] = src[source .. + n]` along `dim`, per run, in place."""
+    for pos, at, n in runs:
+        out.narrow(dim, pos, n).copy_(src.narrow(dim, at, n))
+
+
 # Decorated once here: building the wrapper inside a compiled region breaks dynamo's guards.
 _rank_plan_tensors = maybe_run_for_local_tensor(_plan_tensors)
 _rank_fill_tensors = per_rank(HaloFill)(_fill_tensors)
@@ -298,13 +359,6 @@ def _split_plan(rank: Any, lengths: tuple[int, ...], left: int, right: int, pad:
     return ints[:world], ints[world : 2 * world], ints[-1]
 
 
-def _front(ndim: int, dim: int) -> tuple[str, str]:
-    """einops patterns moving `dim` to the front and back."""
-    names = [f"d{i}" for i in range(ndim)]
-    moved = [names[dim], *names[:dim], *names[dim + 1 :]]
-    return f"{' '.join(names)} -> {' '.join(moved)}", f"{' '.join(moved)} -> {' '.join(names)}"
-
-
 @dataclass(frozen=True)
 class _Route:
     """Everything one rank's exchange needs besides the index tensors (no tensors here)."""
@@ -319,24 +373,25 @@ class _Route:
     recv_splits: list[Any]
     send_splits: list[Any]
     gather_pad: Any
-    to_front: str
-    from_front: str
     flagged: bool = False  # the forward move carries status flags (see `_agree`)
     held: Held = (0, 0)  # halo widths the input already holds (a re-halo; see `widen`)
 
 
 def _forward_move(x: torch.Tensor, send_idx: torch.Tensor, gather_idx: torch.Tensor,
-                  route: _Route) -> _comm.Pending:
+                  route: _Route, runs: _Runs | None = None) -> _comm.Pending:
     """Start carrying the remote halo slices (async where the transport allows).
 
     Its result is the received buffer at the front; for `allgather`, every rank's
-    contribution (pick `gather_pick` out of it once it is needed).
+    contribution (pick `gather_pick` out of it once it is needed). With `runs`, the edge
+    slices go to the transport as views of `x`, packed with one copy.
     """
     if route.transport == "allgather":
-        mine = rearrange(x.index_select(route.dim, gather_idx), route.to_front)
+        mine = x.index_select(route.dim, gather_idx).movedim(route.dim, 0)
         filler = mine.new_zeros((route.gather_pad, *mine.shape[1:]))
         return _comm.Pending(_comm.all_gather(torch.cat([mine, filler]), route.group))
-    send = rearrange(x.index_select(route.dim, send_idx), route.to_front)
+    send: _comm.Rows = (
+        x.index_select(route.dim, send_idx).movedim(route.dim, 0) if runs is None
+        else _blocks(x, route.dim, runs.send))
     if route.flagged:
         return _comm.start_flagged_all_to_all(send, route.recv_splits, route.send_splits,
                                               route.group, flag=0)
@@ -344,10 +399,12 @@ def _forward_move(x: torch.Tensor, send_idx: torch.Tensor, gather_idx: torch.Ten
     return move(send, route.recv_splits, route.send_splits, route.group)
 
 
-def _backward_move(g_recv: torch.Tensor, gather_idx: torch.Tensor, gather_pick: torch.Tensor,
+def _backward_move(g_recv: _comm.Rows, gather_idx: torch.Tensor, gather_pick: torch.Tensor,
                    route: _Route) -> _comm.Pending:
-    """Start the adjoint of `_forward_move`: received slices' gradients back to owners."""
+    """Start the adjoint of `_forward_move`: received slices' gradients back to owners
+    (`g_recv`: a tensor for `allgather`)."""
     if route.transport == "allgather":
+        assert isinstance(g_recv, torch.Tensor)
         g_every = g_recv.new_zeros(
             (route.group.size * (gather_idx.shape[0] + route.gather_pad), *g_recv.shape[1:]))
         g_every.index_add_(0, gather_pick, g_recv)
@@ -403,9 +460,17 @@ class HaloMove:
         return _rank_fill_tensors(r.group.rank, r.lengths, r.left, r.right, r.pad, device, gap,
                                   r.held)
 
+    def _runs(self, t: torch.Tensor, gap: int | None) -> _Runs | None:
+        """The copies as runs, for plain eager tensors (None: index ops)."""
+        if not _comm.is_eager(t):
+            return None
+        r = self.route
+        return _plan_runs(r.group.rank, r.lengths, r.left, r.right, r.pad, gap, r.held)
+
     def start(self, x: torch.Tensor) -> _comm.Pending:
         """Start moving `x`'s edge slices to the ranks that need them."""
-        return _forward_move(x, self.send_idx, self.gather_idx, self.route)
+        return _forward_move(x, self.send_idx, self.gather_idx, self.route,
+                             self._runs(x, None))
 
     def fill(self, out: torch.Tensor, x: torch.Tensor, moved: _comm.Pending,
              gap: int | None = None) -> None:
@@ -419,7 +484,16 @@ class HaloMove:
         recv = moved.wait()
         if route.transport == "allgather":
             recv = recv.index_select(0, self.gather_pick)
-        recv = rearrange(recv, route.from_front)
+        recv = recv.movedim(0, dim)
+        runs = self._runs(out, gap)
+        if runs is not None:
+            _copy_runs(out, recv, dim, runs.recv)
+            _copy_runs(out, x, dim, runs.own)
+            for pos, _, n in runs.zero:
+                out.narrow(dim, pos, n).fill_(0)
+            _copy_runs(out, recv, dim, runs.dup_recv)
+            _copy_runs(out, x, dim, runs.dup_own)
+            return
         f = self._fill_index(x.device, gap)
         # Indexed along `dim` of `out` itself, never through a permuted view of it, so that
         # torch.compile turns each into an in-place index_put on the output.
@@ -446,40 +520,65 @@ class HaloMove:
         return out
 
     def adjoint(self, grad: torch.Tensor, length: Any) -> torch.Tensor:
-        """The adjoint of `assemble`: the chunk's part of `grad` (a clone: `grad` is not ours
-        to change) with the halo gradients added into their owners' slices."""
+        """The adjoint of `assemble`: the chunk's part of `grad` (a copy: `grad` is not ours
+        to change) with the halo gradients added into their owners' slices.
+
+        Eager, each returned slice written once: the slices no halo gradient comes back to
+        are copied while the halo gradients travel, the others are `grad + received`.
+        """
         moved, g_own = self.start_backward(grad)
-        g_x = grad.narrow(self.route.dim, self.route.left, length).clone()  # keeps the layout
-        self.fold(g_x, moved, g_own)
+        dim = self.route.dim
+        chunk = grad.narrow(dim, self.route.left, length)
+        runs = self._runs(grad, None)
+        if (runs is None or runs.kept is None or g_own is not None
+                or self.route.transport == "allgather"):
+            g_x = chunk.clone()  # keeps the layout
+            self.fold(g_x, moved, g_own)
+            return g_x
+        g_x = torch.empty_like(chunk)  # the layout `clone` keeps
+        _copy_runs(g_x, chunk, dim, runs.kept)
+        received = moved.wait().movedim(0, dim)
+        for pos, row, n in runs.send:
+            torch.add(chunk.narrow(dim, pos, n), received.narrow(dim, row, n),
+                      out=g_x.narrow(dim, pos, n))
         return g_x
 
     def start_backward(self, grad: torch.Tensor, gap: int | None = None
-                       ) -> tuple[_comm.Pending, torch.Tensor]:
+                       ) -> tuple[_comm.Pending, torch.Tensor | None]:
         """Sum the halos' gradients per source slice and start sending them to the owners.
 
         `grad` is the gradient of the `fill` buffer. Summed first (replicate repeats
         slices), so each slice's gradient crosses once. Returns (the move in flight, the
-        gradient of this rank's own copied slices).
+        gradient of this rank's own copied slices, None where it copied none).
         """
         dim = self.route.dim
-        f = self._fill_index(grad.device, gap)
-        g_recv = grad.index_select(dim, f.recv_pos).index_add_(
-            dim, f.dup_recv_slot, grad.index_select(dim, f.dup_recv_pos))
-        g_own = grad.index_select(dim, f.own_pos).index_add_(
-            dim, f.dup_own_slot, grad.index_select(dim, f.dup_own_pos))
-        g_recv = rearrange(g_recv, self.route.to_front)
+        runs = self._runs(grad, gap)
+        g_own = None
+        if runs is None or runs.own or runs.dup_own:
+            f = self._fill_index(grad.device, gap)
+            g_own = grad.index_select(dim, f.own_pos).index_add_(
+                dim, f.dup_own_slot, grad.index_select(dim, f.dup_own_pos))
+        g_recv: _comm.Rows
+        if runs is not None and not runs.dup_recv and self.route.transport != "allgather":
+            g_recv = _blocks(grad, dim, runs.recv)  # packed once
+        else:
+            f = self._fill_index(grad.device, gap)
+            g_recv = grad.index_select(dim, f.recv_pos).index_add_(
+                dim, f.dup_recv_slot, grad.index_select(dim, f.dup_recv_pos)).movedim(dim, 0)
         return _backward_move(g_recv, self.gather_idx, self.gather_pick, self.route), g_own
 
-    def fold(self, g_x: torch.Tensor, moved: _comm.Pending, g_own: torch.Tensor) -> None:
+    def fold(self, g_x: torch.Tensor, moved: _comm.Pending, g_own: torch.Tensor | None
+             ) -> None:
         """Wait for the halo gradients and add them, in place, into their slices of `g_x`."""
         route = self.route
-        g_x.index_add_(route.dim, self.self_idx, g_own)
+        if g_own is not None:
+            g_x.index_add_(route.dim, self.self_idx, g_own)
         received = moved.wait()
         if route.transport == "allgather":
             received = received[: self.gather_idx.shape[0]]
-            g_x.index_add_(route.dim, self.gather_idx, rearrange(received, route.from_front))
+            g_x.index_add_(route.dim, self.gather_idx, received.movedim(0, route.dim))
         else:
-            g_x.index_add_(route.dim, self.send_idx, rearrange(received, route.from_front))
+            g_x.index_add_(route.dim, self.send_idx, received.movedim(0, route.dim))
 
 
 class _HaloExchange(torch.autograd.Function):
@@ -526,11 +625,10 @@ def _route(x: torch.Tensor, left: int, right: int, dim: int, group: Group,
            lengths: tuple[int, ...], *, pad: str, transport: str, flagged: bool = False,
            held: Held = (0, 0)) -> _Route:
     """The route of an agreed exchange (`dim` normalised, every chunk length known)."""
-    to_front, from_front = _front(x.ndim, dim)
     recv, send, gather_pad = _split_plan(group.rank, lengths, left, right, pad, group.size,
                                          held)
     return _Route(dim, left, right, pad, transport, group, lengths, recv, send, gather_pad,
-                  to_front, from_front, flagged, held)
+                  flagged, held)
 
 
 def halo_exchange(

@@ -25,6 +25,8 @@ from haloshard._layout import padded_source
 _Index = TypeVar("_Index")
 # Halo widths (left, right) every rank already holds when a plan widens a layout.
 Held = tuple[int, int]
+# Copies `dst[i] <- src[i]` of slices along the dim, as runs `(dst_start, src_start, n)`.
+Runs = tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,24 @@ def halo_fill(plan: ExchangePlan, gap: int) -> HaloFill[tuple[int, ...]]:
         dup_own_slot=tuple(own_slots),
         dup_own_src=tuple(plan.self_idx[k] for k in own_slots),
     )
+
+
+@lru_cache(maxsize=4096)
+def as_runs(dst: tuple[int, ...], src: tuple[int, ...]) -> Runs:
+    """`dst[i] <- src[i]` grouped into runs of positions consecutive in both (a run is one
+    strided copy of a block of slices, where an index op would take each slice apart).
+
+    Example::
+        >>> as_runs((0, 1, 9), (4, 5, 6))
+        ((0, 4, 2), (9, 6, 1))
+    """
+    runs: list[tuple[int, int, int]] = []
+    for d, s in zip(dst, src, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == d and runs[-1][1] + runs[-1][2] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((d, s, 1))
+    return tuple(runs)
 
 
 def _owner(index: int, ends: tuple[int, ...]) -> int:
