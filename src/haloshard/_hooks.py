@@ -248,6 +248,11 @@ class _HaloForward(ShardedForward):
         return self.agreed, (site.shape, x.dtype, x.requires_grad, torch.is_grad_enabled(),
                              site.placements, id(site.mesh), site.axis)
 
+    @property
+    def plain(self) -> bool:
+        """A conv or pooling running torch's own forward (no padding of its own to drop)."""
+        return self.known and isinstance(self.module, DERIVABLE)
+
     def inside(self, *args: Any, **kwargs: Any) -> Any:
         # The module's own padding is back for the enclosing window.
         with _swapped(self.module, self.saved):
@@ -344,7 +349,7 @@ class _HaloForward(ShardedForward):
                     # padding d any other way would shift the halo (or pad a chunk's edge)
                     stack.enter_context(_NoPadAlong(d, None, x, watch=True))
                 stack.enter_context(_NoPadAlong(annotation.dim, annotation.spec, x,
-                                                watch=self.watch))
+                                                watch=self.watch, plain=self.plain))
                 return (self.original(x, *args, **kwargs) if self.local is None
                         else self.local(self.original, x, *args, **kwargs))
         finally:
@@ -357,7 +362,8 @@ class _HaloForward(ShardedForward):
         window = _window(site, plan, annotation, reuse)
         token = _INSIDE.set(True)
         try:
-            with _NoPadAlong(annotation.dim, annotation.spec, window, watch=self.watch):
+            with _NoPadAlong(annotation.dim, annotation.spec, window, watch=self.watch,
+                             plain=self.plain):
                 return (self.original(window, *args, **kwargs) if self.local is None
                         else self.local(self.original, window, *args, **kwargs))
         finally:
@@ -739,7 +745,16 @@ class _NoPadAlong(TorchFunctionMode):
     """
 
     def __init__(self, dim: int, spec: HaloShard | None, window: torch.Tensor, *,
-                 watch: bool = False) -> None:
+                 watch: bool = False, plain: bool = False) -> None:
+        # plain: a conv or pooling with torch's own forward, whose padding attribute the
+        # halo already replaced (nothing for the mode to drop)
+        if spec is not None and not plain and torch.compiler.is_compiling():
+            # dynamo (torch 2.13) does not route F.pad through a mode entered in the graph:
+            # the wrapper's own padding would stay, shifting every output
+            raise HaloError(f"a module whose own padding of dim {dim} the halo replaces (an "
+                            "explicit HaloShard spec, CausalConvParallel) cannot run under "
+                            "torch.compile: run that module eager (torch.compiler.disable "
+                            "on its forward) or compile the layers around it")
         super().__init__()
         self.dim, self.spec, self.window, self.watch = dim, spec, window, watch
 

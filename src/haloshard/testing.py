@@ -19,6 +19,7 @@ import math
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -145,6 +146,7 @@ def _load(path: str, qualname: str, cache: dict[str, Any]) -> Callable[..., Any]
         spec = importlib.util.spec_from_file_location(f"_haloshard_case_{len(cache)}", path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # importable by name (torch.compile looks it up)
         spec.loader.exec_module(module)
         cache[path] = module
     obj: Any = cache[path]
