@@ -234,3 +234,12 @@ def on_gloo() -> None:
 def test_two_axes_gloo(gloo: Callable[[int], Any]) -> None:
     assert dist.is_available()
     gloo(4).run(on_gloo, timeout=300)
+
+
+@pytest.mark.parametrize("local_dims", [(2,), [3], (1,), (3.0,)])
+def test_local_dims_checked(local_dims: Any) -> None:
+    """`local_dims` must be a tuple of spatial dims other than the sharded one."""
+    for style in (lambda: LocalParallel(local_dims=local_dims),
+                  lambda: FirstFrameParallel(2, "down", local_dims=local_dims)):
+        with pytest.raises(HaloError, match=r"local_dims as a tuple of spatial dims"):
+            style()
