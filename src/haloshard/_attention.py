@@ -18,7 +18,7 @@ from einops import rearrange
 
 from haloshard import _comm
 from haloshard._comm import GroupLike
-from haloshard._compat import assert_async, enabled_local_tensor_mode, maybe_run_for_local_tensor
+from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError, raise_rejected
 from haloshard._exchange import (
     _as_int,
@@ -179,15 +179,8 @@ def _without_status(every: torch.Tensor, size: int) -> torch.Tensor:
     """The gathered blocks without their status rows; `HaloError` on every rank when a
     peer raised one (on an accelerator: a deferred device assert, no host sync)."""
     blocks = every.unflatten(0, (size, -1))
-    flags = blocks[:, -1].reshape(size, -1)[:, 0]
-    if flags.device.type != "cpu":
-        assert_async(flags.eq(0).all(), "a peer raised HaloError for this attention block")
-    else:
-        raised = [rank for rank, f in enumerate(flags.tolist()) if f]
-        if raised:
-            raise HaloError(f"rank(s) {raised} of the group passed this attention block "
-                            "tensors that differ from those every rank agreed on at its "
-                            "first call with this global shape (see the error on those ranks)")
+    _comm.check_flags(blocks[:, -1].reshape(size, -1)[:, 0],
+                      "this attention block tensors that differ from those")
     return blocks[:, :-1].flatten(0, 1)
 
 
@@ -237,29 +230,28 @@ def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *
     if reuse is None or torch.compiler.is_compiling() or enabled_local_tensor_mode() is not None:
         _agree(tensors, names, dim, grp, global_length, frame, problem)
         return _gather(tensors, dim % tensors[0].ndim, grp, global_length, frame)
+    d = dim % tensors[0].ndim  # `_problem` found it in range, or raises below
     store, signature = reuse
     key = (signature, dim, global_length, frame, id(grp.pg))
+    row = None if problem else _meta_row(tensors, dim, global_length, frame, False).tolist()
     if key not in store:  # agree (a mistake raises on every rank), then cache if one buffer
         _agree(tensors, names, dim, grp, global_length, frame, problem)
-        fronts = _fronts(tensors, dim % tensors[0].ndim)[0]
+        fronts = _fronts(tensors, d)[0]
         if not _one_buffer(fronts):
-            return _gather(tensors, dim % tensors[0].ndim, grp, global_length, frame)
+            return _gather(tensors, d, grp, global_length, frame)
         buffer = (*fronts[0].shape[1:-1], sum(f.shape[-1] for f in fronts))
-        row = _meta_row(tensors, dim, global_length, frame, False).tolist()
         if len(store) >= _REUSE_SIZE:  # every rank stores (and evicts) alike
             del store[next(iter(store))]
         store[key] = (row, buffer, tensors[0].dtype, tensors[0].device)
     else:
         agreed, buffer, dtype, device = store[key]
-        if problem is None:
-            row = _meta_row(tensors, dim, global_length, frame, False).tolist()
-            if row != agreed:
-                problem = (f"this rank's tensors differ from those agreed at this attention "
-                           f"block's first call: got the metadata row {row}, agreed {agreed}")
+        if problem is None and row != agreed:
+            problem = (f"this rank's tensors differ from those agreed at this attention "
+                       f"block's first call: got the metadata row {row}, agreed {agreed}")
         if problem is not None:
             _placeholder_gather(grp, global_length, frame, buffer, dtype, device)
             raise HaloError(problem)
-    return _gather(tensors, dim % tensors[0].ndim, grp, global_length, frame, status=0)
+    return _gather(tensors, d, grp, global_length, frame, status=0)
 
 
 # A call site's agreements (by global signature) and this call's signature.

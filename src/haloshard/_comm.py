@@ -218,17 +218,22 @@ class _Flags:
         # From one peer (2 ranks, or halos from one side): its rows, in place.
         data = (pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces
                 else flat[:0]).view(sum(self.recv_splits), *self.row)
-        if flat.device.type != "cpu":
-            # Deferred: checked on the device, no host sync (a failure is a device assert).
-            assert_async(flags.eq(0).all(), "a peer raised HaloError for this layer")
-            return data
-        raised = [rank for rank, f in enumerate(flags.tolist()) if f]
-        if raised:
-            raise HaloError(
-                f"rank(s) {raised} of the group passed this halo layer a tensor that differs "
-                "from the one every rank agreed on at its first call with this global shape "
-                "(see the error on those ranks)")
+        check_flags(flags, "this halo layer a tensor that differs from the one")
         return data
+
+
+def check_flags(flags: torch.Tensor, what: str) -> None:
+    """`HaloError` when a peer raised its status flag (one element per rank): it found a
+    mistake in `what` every rank agreed on at the call site's first call. On an accelerator
+    the check is deferred to the device (a failure is a device assert, no host sync)."""
+    if flags.device.type != "cpu":
+        assert_async(flags.eq(0).all(), "a peer raised HaloError for this layer")
+        return
+    raised = [rank for rank, f in enumerate(flags.tolist()) if f]
+    if raised:
+        raise HaloError(f"rank(s) {raised} of the group passed {what} every rank agreed on "
+                        "at its first call with this global shape (see the error on those "
+                        "ranks)")
 
 
 def start_flagged_all_to_all(

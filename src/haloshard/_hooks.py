@@ -233,7 +233,6 @@ class _HaloForward(ShardedForward):
         self.known = known  # the module runs torch's own forward for its kind
         # other sharded dims the module treats slice by slice (no halo along them)
         self.per_slice: tuple[int, ...] = ()
-        self.fresh()
 
     def fresh(self) -> None:
         # Agreements of earlier calls, by global signature: a layer validates its arguments
@@ -680,7 +679,8 @@ def _several_output(y: Any, site: _Site, plans: list[tuple[int, int, WindowPlan]
                         f"got {type(y).__name__}")
     shape = list(site.shape)
     for d in per_slice:
-        _check_kept(y.shape[d], site.local.shape[d], d)
+        check_same_length(y.shape[d], site.local.shape[d], "a module taken as per-slice "
+                          "(local_dims)", d)
     for axis, d, plan in plans:
         start, length = _pick(site.mesh.get_local_rank(axis), plan.out_start, plan.out_len)
         y = y.narrow(d, start, length)
@@ -690,10 +690,11 @@ def _several_output(y: Any, site: _Site, plans: list[tuple[int, int, WindowPlan]
 
 
 @maybe_run_for_local_tensor
-def _check_kept(got: int, expected: int, dim: int) -> None:
+def check_same_length(got: int, expected: int, what: str, dim: int) -> None:
+    """`HaloError` unless a per-slice module kept the length of dim."""
     if got != expected:
-        raise HaloError(f"a module taken as per-slice along dim {dim} (local_dims) returned "
-                        f"{got} slices along it from a chunk of {expected}; expected the same")
+        raise HaloError(f"{what} is for modules that keep the length of dim {dim}: the "
+                        f"module returned {got} slices from a chunk of {expected}")
 
 
 def rewrap(y: torch.Tensor, site: _Site, dim: int, length: int) -> Any:

@@ -67,6 +67,7 @@ from haloshard._hooks import (
     _Site,
     _site,
     attach,
+    check_same_length,
     rewrap,
 )
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes, with_spare_slice
@@ -136,7 +137,7 @@ class _LocalForward(ShardedForward):
         for d in spare:
             x = with_spare_slice(x, d)
         y = self.original(x, *args, **kwargs)
-        _check_same_length(y.shape[self.dim], x.shape[self.dim], self.style, self.dim)
+        check_same_length(y.shape[self.dim], x.shape[self.dim], self.style, self.dim)
         for d in spare:
             y = y.narrow(d, 0, 0)
         return y.narrow(self.dim, 0, n) if x is not site.local else y
@@ -159,13 +160,6 @@ def _equal_chunks(x: torch.Tensor, dim: int, site: _Site) -> torch.Tensor:
     # a fresh tensor of the padded shape: the pad's own strides may stay per-rank
     shape = (*x.shape[:dim], longest, *x.shape[dim + 1 :])
     return torch.empty(shape, dtype=x.dtype, device=x.device).copy_(x)
-
-
-@maybe_run_for_local_tensor
-def _check_same_length(got: int, expected: int, style: str, dim: int) -> None:
-    if got != expected:
-        raise HaloError(f"{style} is for modules that keep the length of dim {dim}: the "
-                        f"module returned {got} slices from a chunk of {expected}")
 
 
 def _check_dim(module: nn.Module, dim: int, style: str, *, least: int = 2) -> None:
