@@ -160,10 +160,10 @@ def check_local(dt: DTensor) -> None:
     `DTensor.from_local` checks nothing: a chunk without its halos would be read as one with
     them, and real slices dropped. Rank-local (no communication).
     """
+    local, mesh = local_tensor(dt), dt.device_mesh
     for axis in halo_axes(dt.placements):
         p = dt.placements[axis]
         assert isinstance(p, HaloShard)
-        local, mesh = local_tensor(dt), dt.device_mesh
         if p.dim >= local.ndim:
             raise HaloError(f"{p!r} shards dim {p.dim} of a {local.ndim}-D local tensor")
         size, length = mesh.size(axis), dt.shape[p.dim]
