@@ -297,8 +297,10 @@ class _HaloConv(torch.autograd.Function):
             # An empty chunk would ask the conv for zero outputs, which it refuses: one zero
             # slice more gives it one output, dropped again (and its gradient is zero).
             buf = move.assemble(x, moved, torch.sym_max(0, 1 - length) if args.spare else None)
-            windows = (buf,)
             y = args.conv(buf, weight, bias).narrow(dim, 0, length)
+            # Backward rebuilds the window from the chunk and its halo slices: kept whole,
+            # it would hold a copy of the chunk beside the chunk itself.
+            windows = (_halo_slices(buf, args, length),) if any(ctx.needs_input_grad) else ()
         ctx.save_for_backward(x, weight, *windows)
         ctx.move, ctx.args, ctx.has_bias = move, args, bias is not None
         return y
@@ -366,12 +368,53 @@ def _split_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     return g_x, g_w
 
 
+def _halo_slices(buf: torch.Tensor, args: _ConvArgs, length: Any) -> torch.Tensor:
+    """The exchanged window's halo slices, `[left halo ++ right halo]` along `dim`."""
+    dim, left = args.dim, args.left
+    return torch.cat([buf.narrow(dim, 0, left), buf.narrow(dim, left + length, args.right)],
+                     dim)
+
+
+def _rebuilt(x: torch.Tensor, halos: torch.Tensor, args: _ConvArgs, shape: list[Any]
+             ) -> torch.Tensor:
+    """The window `assemble` built in forward, from the chunk and its halo slices."""
+    dim, left, right, length = args.dim, args.left, args.right, x.shape[args.dim]
+    buf = empty_like_layout(x, shape)
+    buf.narrow(dim, 0, left).copy_(halos.narrow(dim, 0, left))
+    buf.narrow(dim, left, length).copy_(x)
+    buf.narrow(dim, left + length, right).copy_(halos.narrow(dim, left, right))
+    spare = shape[dim] - (left + length + right)
+    buf.narrow(dim, left + length + right, spare).zero_()
+    return buf
+
+
+_INPUT_GRAD = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input,
+               3: torch.nn.grad.conv3d_input}
+
+
 def _whole_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                     windows: list[torch.Tensor], move: HaloMove, args: _ConvArgs
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    grad = with_spare_slice(grad, args.dim) if args.spare else grad
-    g_buf, g_w = args.backward(grad, windows[0], weight)
-    return move.adjoint(g_buf, x.shape[args.dim]), g_w
+    """The exchanged window's conv backward in two steps, so the window and its gradient
+    are never held at once (beside the conv's workspace): the input gradient from the
+    window's shape alone (`torch.nn.grad.conv*_input`), its halo gradients sent and the
+    chunk's part copied out; then the window rebuilt for the weight gradient while the
+    halo gradients travel; then they are added into their owners' slices."""
+    dim, length = args.dim, x.shape[args.dim]
+    grad = with_spare_slice(grad, dim) if args.spare else grad
+    shape = list(x.shape)
+    shape[dim] = grad.shape[dim] + args.reach  # stride 1 along dim: one output per window
+    g_buf = _INPUT_GRAD[x.ndim - 2](shape, weight, grad, args.stride, args.padding,
+                                    args.dilation, args.groups)
+    moved, g_own = move.start_backward(g_buf)
+    g_x = empty_like_layout(x, list(x.shape))
+    g_x.copy_(g_buf.narrow(dim, args.left, length))
+    del g_buf
+    _, g_w, _ = args.full_backward(grad, _rebuilt(x, windows[0], args, shape), weight,
+                                   mask=(False, True, False))
+    move.fold(g_x, moved, g_own)
+    assert g_w is not None
+    return g_x, g_w
 
 
 def _per_dim(value: int | tuple[int, ...], n: int, name: str) -> list[int]:

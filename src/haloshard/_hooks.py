@@ -271,9 +271,13 @@ class _HaloForward(ShardedForward):
                             uniform=enabled_local_tensor_mode() is not None)
         _segments.follow(site.length, plan.out_length, annotation.stencil)
         reuse = self.reuse(site)
-        if (self.overlap is not False and _overlappable(self.module, annotation, plan, site)
-                and self.overlaps(site, plan, reuse)):
-            y = _overlapped_conv(self.module, site, plan, annotation, reuse)
+        if self.known and self.local is None and _overlappable(self.module, annotation, plan,
+                                                               site):
+            # torch's own conv, as `halo_conv`: overlapped, or exchanging first in a
+            # function whose backward never holds the window and its gradient at once
+            overlapped = self.overlap is not False and self.overlaps(site, plan, reuse)
+            y = _overlapped_conv(self.module, site, plan, annotation, reuse,
+                                 whole=not overlapped)
         else:
             y = self.exchange_first(site, plan, reuse, *args, **kwargs)
         return _output(y, site, plan, annotation)
@@ -402,7 +406,8 @@ class _HaloForward(ShardedForward):
         mirrors its forward's split."""
         paths = {True: lambda: _overlapped_conv(self.module, site, plan, self.annotation,
                                                 reuse),
-                 False: lambda: self.exchange_first(site, plan, reuse)}
+                 False: lambda: _overlapped_conv(self.module, site, plan, self.annotation,
+                                                 reuse, whole=True)}
         times: dict[bool, list[float]] = {overlapped: [] for overlapped in paths}
         with torch.no_grad():
             for _ in range(1 + _TRIAL_ROUNDS):  # round-robin; the first round warms up
@@ -462,8 +467,10 @@ def _correction_share(module: nn.Module, plan: WindowPlan, site: _Site) -> float
 
 
 def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
-                     annotation: Annotation, reuse: Reuse) -> torch.Tensor:
-    """The conv as `halo_conv`: the chunk's own conv runs while the halo travels.
+                     annotation: Annotation, reuse: Reuse, *, whole: bool = False
+                     ) -> torch.Tensor:
+    """The conv as `halo_conv`: the chunk's own conv runs while the halo travels (`whole`:
+    the conv of the exchanged window, `overlap=False`).
 
     A padding mode other than zeros pads the other dims first, as the module's own forward
     does (its padding along `dim` is 0 while the halo is attached): each slice is padded
@@ -480,7 +487,7 @@ def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
                      left=plan.left, right=plan.right, group=(site.mesh, site.axis),
                      stride=module.stride, padding=padding, dilation=module.dilation,
                      groups=module.groups, pad=annotation.stencil.pad,
-                     global_length=plan.length, _reuse=reuse)
+                     global_length=plan.length, overlap=not whole, _reuse=reuse)
 
 
 @contextmanager
