@@ -28,7 +28,8 @@ Columns, per shape (time over the floor's):
   it received), 1.00: only halo bytes cross the wire;
 - `meta`: metadata collectives (all-gathers of ints) the default path issued per step;
 - `peak / floor`: peak memory allocated during one step (torch's memory profiler), default
-  over the floor, `pk ovl` the same for `overlap`, and `limit`: what the target allows
+  over the floor, `pk ovl` and `pk xf` the same for `overlap` and `no ovl`, and `limit`:
+  what the target allows
   (floor + halo slices) * 1.05.
 
 The device follows the mesh: on a machine with GPUs (`--device cuda`) the same script runs on
@@ -232,7 +233,8 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
     # forward: the edge slices neighbours need; backward: the gradients of the halo slices
     # this rank received, back to their owners
     halo = (sum(plan.send_splits) + sum(plan.recv_splits)) * slice_bytes
-    peaks = {name: _peak_bytes(steps[name]) for name in ("floor", "default", "overlap")}
+    peaks = {name: _peak_bytes(steps[name])
+             for name in ("floor", "default", "overlap", "no overlap")}
     return {"ms": times,
             "sent": count.sent / halo if halo else float("nan"), "meta": count.meta,
             "peak": peaks, "halo": (left + right) * slice_bytes,
@@ -275,14 +277,15 @@ def main(argv: list[str] | None = None) -> None:
           "DTensor")
     print(f"{'shape':<36} {'default':>8} {'overlap':>8} {'no ovl':>8} {'chose':>6} "
           f"{'chosen/best':>11} {'dflt/chsn':>9} {'taps':>6} {'sent/halo':>10} {'meta':>5} "
-          f"{'peak/floor':>11} {'pk ovl':>7} {'limit':>6}")
+          f"{'peak/floor':>11} {'pk ovl':>7} {'pk xf':>6} {'limit':>6}")
     worst = worst_best = ("", 0.0)
     with GlooWorld(args.ranks, timeout=3600) as gloo:
         for case in cases:
             ranks = gloo.run(rank_case, tuple(case), args.iters, args.device)
             ratio = _ratios(ranks, args.stat)
-            peak, peak_ovl = (max(r["peak"][n] / max(r["peak"]["floor"], 1) for r in ranks)
-                              for n in ("default", "overlap"))
+            peak, peak_ovl, peak_xf = (
+                max(r["peak"][n] / max(r["peak"]["floor"], 1) for r in ranks)
+                for n in ("default", "overlap", "no overlap"))
             limit = max((r["peak"]["floor"] + r["halo"]) * 1.05 / max(r["peak"]["floor"], 1)
                         for r in ranks)
             default = ratio("default", "floor")
@@ -300,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{ratio('default', chose):>9.3f} "
                   f"{case.taps(args.ranks):>6.3f} {max(r['sent'] for r in ranks):>10.2f} "
                   f"{max(r['meta'] for r in ranks):>5} {peak:>11.3f} {peak_ovl:>7.3f} "
-                  f"{limit:>6.3f}")
+                  f"{peak_xf:>6.3f} {limit:>6.3f}")
     print(f"worst default / floor: {worst[1]:.3f} ({worst[0]}); worst chosen / best: "
           f"{worst_best[1]:.3f} ({worst_best[0]})")
 

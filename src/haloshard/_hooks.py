@@ -73,15 +73,9 @@ from haloshard._varlen import active_boundaries, varlen_conv
 # How a module runs on its window: `local(forward, window, *args, **kwargs) -> output`.
 LocalRun = Callable[..., Any]
 _ANNOTATION = "_haloshard_annotation"
-# How much faster (summed over ranks) exchange-first must be to replace the overlapped conv:
-# it holds an input-sized window more (the peak target allows 5% over the floor), and a
-# smaller difference is within what contention on a shared CPU does to a few timed forwards.
-_EXCHANGE_FIRST_MARGIN = 0.1
-# Where the corrected path's extra work (one frame conv per halo tap, `(left + right) /
-# (k * T_r)` of the chunk's own conv) is at most this share, the layer overlaps without a
-# trial: exchange-first runs the same FLOPs through another kernel path (measured 1.008 to
-# 1.33 of the chunk's conv), copies the input twice (window, gradient) and holds the window.
-_CLEAR_CORRECTION_SHARE = 0.1
+# How much faster (summed over ranks) exchange-first must be to replace the overlapped conv
+# in the first-call trial: a tie keeps the overlapped conv, the one a GPU runs beside the move.
+_EXCHANGE_FIRST_MARGIN = 0.03
 # Timed rounds of each formulation after an untimed one.
 _TRIAL_ROUNDS = 3
 _CATS = (torch.cat, torch.concat, torch.concatenate)
@@ -375,19 +369,15 @@ class _HaloForward(ShardedForward):
     def overlaps(self, site: _Site, plan: WindowPlan, reuse: Reuse) -> bool:
         """Whether this call runs the conv as `halo_conv` (the chunk's own conv while the halo
         travels, boundary corrections once it arrives) or exchanges first: as given, or
-        (`overlap=None`) decided once per global input signature. Where the corrections
-        are a small share of the conv (`_correction_share`, from the global shape: the
-        same on every rank, no collective) it overlaps. Otherwise, on CPU (eager c10d, not
-        deterministic mode), each runs its forward `_TRIAL_ROUNDS` times after a warm-up, as
-        `cudnn.benchmark` does, in this process's CPU time (ranks sharing cores wait for
-        each other, which wall time would count): on CPU no engine moves the halo beside
-        the conv, and which formulation oneDNN runs faster depends on the shape (4 frames
-        of C256 exchanged first: 0.56 of the chunk's own padded conv). Exchange-first,
-        which holds an input-sized window more, is kept only when its slowest round is
-        `_EXCHANGE_FIRST_MARGIN` faster than the overlapped conv's fastest (contention on a
-        shared CPU skews single rounds). Elsewhere (GPUs, where the halo travels beside the
-        conv; compiled, simulated, deterministic) it overlaps. Every rank takes the same
-        choice (one small gather of the timings, once)."""
+        (`overlap=None`) decided once per global input signature. On CPU (eager c10d, not
+        deterministic mode) both are timed once, as `cudnn.benchmark` does
+        (`faster_overlapped`): no engine moves the halo beside the conv there, and which
+        formulation oneDNN runs faster depends on the shape (2 frames of C256 exchanged
+        first: 0.58 of the chunk's own padded conv; 16 frames of C32: 1.03 of the
+        overlapped conv). Both keep the floor's memory plus the halo. Elsewhere (GPUs,
+        where the halo travels beside the conv; compiled, simulated, deterministic) it
+        overlaps. Every rank takes the same choice (one small gather of the timings,
+        once)."""
         if self.overlap is not None:
             return self.overlap
         x = site.local
@@ -395,43 +385,49 @@ class _HaloForward(ShardedForward):
         if key not in self.chosen:
             timed = (_comm.is_eager(x) and x.device.type == "cpu"
                      and not torch.are_deterministic_algorithms_enabled())
-            share = _correction_share(self.module, plan, site)
-            clear = share is not None and share <= _CLEAR_CORRECTION_SHARE
-            self.chosen[key] = not timed or clear or self.faster_overlapped(site, plan, reuse)
+            self.chosen[key] = not timed or self.faster_overlapped(site, plan, reuse)
         return self.chosen[key]
 
     def faster_overlapped(self, site: _Site, plan: WindowPlan, reuse: Reuse) -> bool:
-        """Time both formulations' forward under no_grad: no gradient, no autograd state
-        and no parameter hook (FSDP, checkpointing) sees the trial; the backward of each
-        mirrors its forward's split."""
-        paths = {True: lambda: _overlapped_conv(self.module, site, plan, self.annotation,
-                                                reuse),
-                 False: lambda: _overlapped_conv(self.module, site, plan, self.annotation,
-                                                 reuse, whole=True)}
-        times: dict[bool, list[float]] = {overlapped: [] for overlapped in paths}
-        with torch.no_grad():
-            for _ in range(1 + _TRIAL_ROUNDS):  # round-robin; the first round warms up
-                for overlapped, path in paths.items():
-                    start = time.process_time()
-                    path()
-                    times[overlapped].append(time.process_time() - start)
-        # Exchange-first must be clearly faster: its slowest round against the overlapped
-        # conv's fastest. One choice for every rank (their backward collectives differ when
-        # the input needs no gradient): the summed times decide, from one gather of two ints
-        # per rank.
-        mine = torch.tensor([round(min(times[True][1:]) * 1e6),
-                             round(max(times[False][1:]) * 1e6)])
+        """Time both formulations, forward and (where this call builds a graph) backward,
+        `_TRIAL_ROUNDS` times each after a warm-up, round-robin, in this process's CPU time
+        (ranks sharing cores wait for each other, which wall time would count). They run on
+        detached copies of the input and parameters: no gradient reaches the model, and no
+        tensor hook (FSDP, checkpointing) sees the trial. Each formulation's fastest round
+        counts (contention only adds time), summed over ranks from one gather of two ints
+        per rank: every rank takes the same choice (their backward collectives must
+        match)."""
+        module, x = self.module, site.local
+
+        def step(whole: bool) -> None:
+            leaf = x.detach().requires_grad_(x.requires_grad)  # the agreed signature
+            params = [p if p is None else p.detach().requires_grad_(p.requires_grad)
+                      for p in (module.weight, module.bias)]
+            y = _overlapped_conv(module, replace(site, local=leaf), plan, self.annotation,
+                                 reuse, whole=whole, params=params)
+            inputs = [t for t in (leaf, *params) if t is not None and t.requires_grad]
+            if y.requires_grad and inputs:
+                torch.autograd.grad(y, inputs, y.detach())
+
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(1 + _TRIAL_ROUNDS):  # round-robin; the first round warms up
+            for whole, rounds in times.items():
+                start = time.process_time()
+                step(whole)
+                rounds.append(time.process_time() - start)
+        mine = torch.tensor([round(min(times[False][1:]) * 1e6),
+                             round(min(times[True][1:]) * 1e6)])
         return _overlap_kept(_comm.gather_ints(
             mine, _comm.resolve_group((site.mesh, site.axis)), what="choice of formulation"))
 
 
 def _overlap_kept(rows: list[list[int]]) -> bool:
-    """From every rank's `(overlapped fastest, exchange-first slowest)` trial times: whether
-    the overlapped conv stays, i.e. exchange-first is not `_EXCHANGE_FIRST_MARGIN` faster
+    """From every rank's `(overlapped, exchange-first)` fastest trial times: whether the
+    overlapped conv stays, i.e. exchange-first is not `_EXCHANGE_FIRST_MARGIN` faster
     summed over ranks.
 
     Example::
-        >>> _overlap_kept([[100, 95], [100, 93]]), _overlap_kept([[100, 85], [100, 88]])
+        >>> _overlap_kept([[100, 98], [100, 99]]), _overlap_kept([[100, 90], [100, 93]])
         (True, False)
     """
     first = sum(r[1] for r in rows)
@@ -454,23 +450,12 @@ def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan, s
             and not (padded and min(shard_sizes(site.length, site.mesh.size(site.axis))) == 0))
 
 
-def _correction_share(module: nn.Module, plan: WindowPlan, site: _Site) -> float | None:
-    """The corrected path's extra work over the chunk's own conv, `(left + right) / (k *
-    T_min)` (one frame conv per halo tap, each `1 / (k * T_r)` of the chunk's conv; the
-    shortest chunk bounds it), or None where `halo_conv` would not run that path (unequal
-    halos, a chunk shorter than the reach). The same on every rank: global shape only."""
-    shortest = min(shard_sizes(site.length, site.mesh.size(site.axis)))
-    reach = plan.left + plan.right
-    if not isinstance(module, _CONVS) or plan.left != plan.right or shortest < max(reach, 1):
-        return None
-    return reach / (int(module.weight.shape[site.dim]) * shortest)  # weight: (O, I, k...)
-
-
 def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
-                     annotation: Annotation, reuse: Reuse, *, whole: bool = False
-                     ) -> torch.Tensor:
+                     annotation: Annotation, reuse: Reuse, *, whole: bool = False,
+                     params: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """The conv as `halo_conv`: the chunk's own conv runs while the halo travels (`whole`:
-    the conv of the exchanged window, `overlap=False`).
+    the conv of the exchanged window, `overlap=False`), with the module's weight and bias
+    or `params` in their place.
 
     A padding mode other than zeros pads the other dims first, as the module's own forward
     does (its padding along `dim` is 0 while the halo is attached): each slice is padded
@@ -483,7 +468,8 @@ def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
         # Its own agreement: the padded chunk's sizes differ from the exchange-first
         # window's, and it needs no gradient when padded under no_grad (a timing trial).
         reuse = (reuse[0], (reuse[1], "padded", x.requires_grad))
-    return halo_conv(x, module.weight, module.bias, dim=annotation.dim,
+    weight, bias = (module.weight, module.bias) if params is None else params
+    return halo_conv(x, weight, bias, dim=annotation.dim,
                      left=plan.left, right=plan.right, group=(site.mesh, site.axis),
                      stride=module.stride, padding=padding, dilation=module.dilation,
                      groups=module.groups, pad=annotation.stencil.pad,
