@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from haloshard import HaloError, HaloParallel, HaloShard
-from haloshard._hooks import _TRIAL_ROUNDS
+from haloshard._hooks import _TRIAL_MAX_ROUNDS, _TRIAL_ROUNDS
 from haloshard.testing import (
     counted_collectives,
     reference_halo,
@@ -82,7 +82,8 @@ def steady_state() -> dict[str, Any]:
     after = (model(x).to_local() - shard(expected, 2, 2, rank)).abs().max().item()
     chosen = {i: dict(model[i].forward.chosen) for i in (0, 3)}
     return {"counts": counts, "errors": errors, "raised": raised, "seconds": seconds,
-            "after": after, "chosen": chosen}
+            "after": after, "chosen": chosen,
+            "trials": next(iter(model[0].forward.trials.values()))}
 
 
 @pytest.mark.gloo
@@ -92,10 +93,12 @@ def test_no_metadata_collective_after_the_first_call(gloo: Callable[[int], Any])
         first, *later = got["counts"]
         # first call: each of the 3 halo layers agrees once (one int gather); layer 0 also
         # times its two formulations (overlap=None), forward and backward (a halo move
-        # each), 1 + _TRIAL_ROUNDS times each, and the ranks agree on the faster (one
-        # more gather)
-        trials = 2 * 2 * (1 + _TRIAL_ROUNDS)
-        assert first[0] == {"all_gather_single": 3 + 1, "all_to_all_single": 3 + trials}, first
+        # each), a warm-up and then the rounds the ranks agreed on (one gather), and the
+        # ranks agree on the faster (one more gather)
+        rounds = got["trials"]
+        assert _TRIAL_ROUNDS <= rounds <= _TRIAL_MAX_ROUNDS, rounds
+        trials = 2 * 2 * (1 + rounds)
+        assert first[0] == {"all_gather_single": 3 + 2, "all_to_all_single": 3 + trials}, first
         for forward, backward in later:  # then exactly the halo moves, forward and backward
             assert forward == {"all_to_all_single": 3}, forward
             assert backward == {"all_to_all_single": 3}, backward
@@ -253,15 +256,16 @@ def long_chunks() -> dict[str, Any]:
     grads = [p.grad for p in conv.parameters()] + [leaf.grad]
     error = (y.to_local() - shard(expected, 2, 2, rank)).abs().max().item()
     return {"forward": dict(forward), "chosen": len(conv.forward.chosen), "grads": grads,
-            "error": error}
+            "error": error, "trials": next(iter(conv.forward.trials.values()))}
 
 
 @pytest.mark.gloo
 def test_trial_leaves_no_gradient(gloo: Callable[[int], Any]) -> None:
-    trials = 2 * (1 + _TRIAL_ROUNDS)  # both formulations, a forward and a backward move each
     for got in gloo(2).run(long_chunks, timeout=120):
-        # the exchange's agreement, the trial's gather, the trial's moves and the call's
-        assert got["forward"] == {"all_gather_single": 2, "all_to_all_single": 1 + 2 * trials}, got
+        # both formulations, warm-up and rounds, a forward and a backward move each
+        trials = 2 * 2 * (1 + got["trials"])
+        # the exchange's agreement, the trial's two gathers, the trial's moves and the call's
+        assert got["forward"] == {"all_gather_single": 3, "all_to_all_single": 1 + trials}, got
         assert got["chosen"] == 1 and got["grads"] == [None] * 3, got
         assert got["error"] <= 1e-12, got
 

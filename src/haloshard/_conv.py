@@ -395,23 +395,24 @@ _INPUT_GRAD = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input,
 def _whole_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                     windows: list[torch.Tensor], move: HaloMove, args: _ConvArgs
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exchanged window's conv backward in two steps, so the window and its gradient
-    are never held at once (beside the conv's workspace): the input gradient from the
-    window's shape alone (`torch.nn.grad.conv*_input`), its halo gradients sent and the
-    chunk's part copied out; then the window rebuilt for the weight gradient while the
-    halo gradients travel; then they are added into their owners' slices."""
+    """The exchanged window's conv backward in two calls, so that the window and its
+    gradient are never held at once beside the conv's workspace: the weight gradient from
+    the window rebuilt, which is then dropped; the input gradient from the window's shape
+    alone (`torch.nn.grad.conv*_input`), its halo gradients sent to their owners while the
+    chunk's part is copied out, then added in."""
     dim, length = args.dim, x.shape[args.dim]
     grad = with_spare_slice(grad, dim) if args.spare else grad
+    grad = grad.contiguous(memory_format=memory_format(grad))  # once, for both calls
     shape = list(x.shape)
     shape[dim] = grad.shape[dim] + args.reach  # stride 1 along dim: one output per window
+    _, g_w, _ = args.full_backward(grad, _rebuilt(x, windows[0], args, shape), weight,
+                                   mask=(False, True, False))
     g_buf = _INPUT_GRAD[x.ndim - 2](shape, weight, grad, args.stride, args.padding,
                                     args.dilation, args.groups)
     moved, g_own = move.start_backward(g_buf)
     g_x = empty_like_layout(x, list(x.shape))
     g_x.copy_(g_buf.narrow(dim, args.left, length))
     del g_buf
-    _, g_w, _ = args.full_backward(grad, _rebuilt(x, windows[0], args, shape), weight,
-                                   mask=(False, True, False))
     move.fold(g_x, moved, g_own)
     assert g_w is not None
     return g_x, g_w

@@ -76,8 +76,12 @@ _ANNOTATION = "_haloshard_annotation"
 # How much faster (summed over ranks) exchange-first must be to replace the overlapped conv
 # in the first-call trial: a tie keeps the overlapped conv, the one a GPU runs beside the move.
 _EXCHANGE_FIRST_MARGIN = 0.03
-# Timed rounds of each formulation after an untimed one.
+# Timed rounds of each formulation after an untimed one: at least, at most, and the CPU
+# time that sets their number in between (a 15 ms step varies by 30% between rounds on a
+# shared 2-core machine; a 1 s step by a few %).
 _TRIAL_ROUNDS = 3
+_TRIAL_MAX_ROUNDS = 15
+_TRIAL_SECONDS = 0.25
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 _CONV_FNS = (F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d)
 _F_PAD_MODE = {"constant": "zeros", "replicate": "replicate", "reflect": "reflect",
@@ -233,6 +237,7 @@ class _HaloForward(ShardedForward):
         # on every rank once per input signature, later calls issue no metadata collective.
         self.agreed: dict[Any, Any] = {}
         self.chosen: dict[Any, bool] = {}  # overlap or not, by global input signature
+        self.trials: dict[Any, int] = {}  # rounds each formulation was timed, by signature
 
     def reuse(self, site: _Site) -> Reuse:
         """This layer's store and the call's global signature: the same on every rank
@@ -376,8 +381,7 @@ class _HaloForward(ShardedForward):
         first: 0.58 of the chunk's own padded conv; 16 frames of C32: 1.03 of the
         overlapped conv). Both keep the floor's memory plus the halo. Elsewhere (GPUs,
         where the halo travels beside the conv; compiled, simulated, deterministic) it
-        overlaps. Every rank takes the same choice (one small gather of the timings,
-        once)."""
+        overlaps. Every rank takes the same choice (two small gathers, once)."""
         if self.overlap is not None:
             return self.overlap
         x = site.local
@@ -385,21 +389,26 @@ class _HaloForward(ShardedForward):
         if key not in self.chosen:
             timed = (_comm.is_eager(x) and x.device.type == "cpu"
                      and not torch.are_deterministic_algorithms_enabled())
-            self.chosen[key] = not timed or self.faster_overlapped(site, plan, reuse)
+            self.chosen[key] = not timed or self.faster_overlapped(site, plan, reuse, key)
         return self.chosen[key]
 
-    def faster_overlapped(self, site: _Site, plan: WindowPlan, reuse: Reuse) -> bool:
+    def faster_overlapped(self, site: _Site, plan: WindowPlan, reuse: Reuse, key: Any
+                          ) -> bool:
         """Time both formulations, forward and (where this call builds a graph) backward,
-        `_TRIAL_ROUNDS` times each after a warm-up, round-robin, in this process's CPU time
-        (ranks sharing cores wait for each other, which wall time would count). They run on
-        detached copies of the input and parameters: no gradient reaches the model, and no
-        tensor hook (FSDP, checkpointing) sees the trial. Each formulation's fastest round
-        counts (contention only adds time), summed over ranks from one gather of two ints
-        per rank: every rank takes the same choice (their backward collectives must
-        match)."""
+        in this process's CPU time (ranks sharing cores wait for each other, which wall
+        time would count): an untimed warm-up, then rounds alternating which leads, as many
+        as fill `_TRIAL_SECONDS` per formulation at the slowest rank's warm-up pace
+        (`_TRIAL_ROUNDS` to `_TRIAL_MAX_ROUNDS`, agreed by one gather: every rank runs the
+        same moves). They run on detached copies of the input and parameters: no gradient
+        reaches the model, and no tensor hook (FSDP, checkpointing) sees the trial. Each
+        formulation's fastest round counts (contention only adds time), summed over ranks
+        from a second gather: every rank takes the same choice (their backward
+        collectives must match)."""
         module, x = self.module, site.local
+        group = _comm.resolve_group((site.mesh, site.axis))
 
-        def step(whole: bool) -> None:
+        def step(whole: bool) -> int:
+            start = time.process_time()
             leaf = x.detach().requires_grad_(x.requires_grad)  # the agreed signature
             params = [p if p is None else p.detach().requires_grad_(p.requires_grad)
                       for p in (module.weight, module.bias)]
@@ -408,17 +417,20 @@ class _HaloForward(ShardedForward):
             inputs = [t for t in (leaf, *params) if t is not None and t.requires_grad]
             if y.requires_grad and inputs:
                 torch.autograd.grad(y, inputs, y.detach())
+            return max(round((time.process_time() - start) * 1e6), 1)  # us
 
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(1 + _TRIAL_ROUNDS):  # round-robin; the first round warms up
-            for whole, rounds in times.items():
-                start = time.process_time()
-                step(whole)
-                rounds.append(time.process_time() - start)
-        mine = torch.tensor([round(min(times[False][1:]) * 1e6),
-                             round(min(times[True][1:]) * 1e6)])
-        return _overlap_kept(_comm.gather_ints(
-            mine, _comm.resolve_group((site.mesh, site.axis)), what="choice of formulation"))
+        warm = _comm.gather_ints(torch.tensor([step(False), step(True)]), group,
+                                 what="trial of formulations")
+        pace = max(max(row) for row in warm)
+        rounds = min(max(math.ceil(_TRIAL_SECONDS * 1e6 / pace), _TRIAL_ROUNDS),
+                     _TRIAL_MAX_ROUNDS)
+        times: dict[bool, list[int]] = {False: [], True: []}
+        for i in range(rounds):
+            for whole in (False, True) if i % 2 == 0 else (True, False):
+                times[whole].append(step(whole))
+        self.trials[key] = rounds
+        mine = torch.tensor([min(times[False]), min(times[True])])
+        return _overlap_kept(_comm.gather_ints(mine, group, what="choice of formulation"))
 
 
 def _overlap_kept(rows: list[list[int]]) -> bool:
