@@ -400,7 +400,8 @@ class _HaloForward(ShardedForward):
         as fill `_TRIAL_SECONDS` per formulation at the slowest rank's warm-up pace
         (`_TRIAL_ROUNDS` to `_TRIAL_MAX_ROUNDS`, agreed by one gather: every rank runs the
         same moves). They run on detached copies of the input and parameters: no gradient
-        reaches the model, and no tensor hook (FSDP, checkpointing) sees the trial. Each
+        reaches the model, and no tensor hook or saved-tensor hook (FSDP, checkpointing,
+        offloading) sees the trial. Each
         formulation's fastest round counts (contention only adds time), summed over ranks
         from a second gather: every rank takes the same choice (their backward
         collectives must match)."""
@@ -419,18 +420,26 @@ class _HaloForward(ShardedForward):
                 torch.autograd.grad(y, inputs, y.detach())
             return max(round((time.process_time() - start) * 1e6), 1)  # us
 
-        warm = _comm.gather_ints(torch.tensor([step(False), step(True)]), group,
-                                 what="trial of formulations")
-        pace = max(max(row) for row in warm)
-        rounds = min(max(math.ceil(_TRIAL_SECONDS * 1e6 / pace), _TRIAL_ROUNDS),
-                     _TRIAL_MAX_ROUNDS)
-        times: dict[bool, list[int]] = {False: [], True: []}
-        for i in range(rounds):
-            for whole in (False, True) if i % 2 == 0 else (True, False):
-                times[whole].append(step(whole))
+        # Its own saved-tensor hooks, innermost: an enclosing checkpoint or offload never
+        # sees what the trial saves (a recomputed forward, which runs no trial, must save
+        # what the original did).
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            warm = _comm.gather_ints(torch.tensor([step(False), step(True)]), group,
+                                     what="trial of formulations")
+            pace = max(max(row) for row in warm)
+            rounds = min(max(math.ceil(_TRIAL_SECONDS * 1e6 / pace), _TRIAL_ROUNDS),
+                         _TRIAL_MAX_ROUNDS)
+            times: dict[bool, list[int]] = {False: [], True: []}
+            for i in range(rounds):
+                for whole in (False, True) if i % 2 == 0 else (True, False):
+                    times[whole].append(step(whole))
         self.trials[key] = rounds
         mine = torch.tensor([min(times[False]), min(times[True])])
         return _overlap_kept(_comm.gather_ints(mine, group, what="choice of formulation"))
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _overlap_kept(rows: list[list[int]]) -> bool:
