@@ -80,8 +80,8 @@ _EXCHANGE_FIRST_MARGIN = 0.03
 # time that sets their number in between (a 15 ms step varies by 30% between rounds on a
 # shared 2-core machine; a 1 s step by a few %).
 _TRIAL_ROUNDS = 3
-_TRIAL_MAX_ROUNDS = 15
-_TRIAL_SECONDS = 0.25
+_TRIAL_MAX_ROUNDS = 9
+_TRIAL_SECONDS = 0.15
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 _CONV_FNS = (F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d)
 _F_PAD_MODE = {"constant": "zeros", "replicate": "replicate", "reflect": "reflect",
