@@ -274,6 +274,6 @@ def test_exchange_first_only_when_clearly_faster() -> None:
     from haloshard._hooks import _overlap_kept
 
     # per rank: (overlapped conv's fastest round, exchange-first's fastest round), in us
-    assert _overlap_kept([[1000, 980], [1000, 990]])  # 1.5% faster: a tie, overlap stays
-    assert not _overlap_kept([[1000, 950], [1000, 960]])  # 4.5% faster: exchange first
+    assert _overlap_kept([[1000, 950], [1000, 930]])  # 6% faster: within the margin
+    assert not _overlap_kept([[1000, 850], [1000, 880]])  # 13% faster: exchange first
     assert _overlap_kept([[1000, 700], [1000, 1400]])  # one rank's gain is the other's loss
