@@ -384,9 +384,9 @@ class _HaloForward(ShardedForward):
         formulation runs faster depends on the shape (2 frames of C256 exchanged first:
         0.58 of the chunk's own padded conv; 16 frames of C32: 1.03 of the overlapped
         conv). Exchange-first, whose backward holds a copy of the chunk, must be
-        `_EXCHANGE_FIRST_MARGIN` faster. Elsewhere (GPUs,
-        where the halo travels beside the conv; compiled, simulated, deterministic) it
-        overlaps. Every rank takes the same choice (two small gathers, once)."""
+        `_EXCHANGE_FIRST_MARGIN` faster. Elsewhere (GPUs, where the halo travels beside
+        the conv; compiled, simulated, deterministic) it overlaps. Every rank takes the
+        same choice (two small gathers, once)."""
         if self.overlap is not None:
             return self.overlap
         x = site.local
@@ -406,10 +406,9 @@ class _HaloForward(ShardedForward):
         (`_TRIAL_ROUNDS` to `_TRIAL_MAX_ROUNDS`, agreed by one gather: every rank runs the
         same moves). They run on detached copies of the input and parameters: no gradient
         reaches the model, and no tensor hook or saved-tensor hook (FSDP, checkpointing,
-        offloading) sees the trial. Each
-        formulation's fastest round counts (contention only adds time), summed over ranks
-        from a second gather: every rank takes the same choice (their backward
-        collectives must match)."""
+        offloading) sees the trial. Each formulation's fastest round counts (contention
+        only adds time), summed over ranks from a second gather: every rank takes the same
+        choice (their backward collectives must match)."""
         module, x = self.module, site.local
         group = _comm.resolve_group((site.mesh, site.axis))
 
@@ -491,8 +490,8 @@ def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
     if module.padding_mode != "zeros" and any(padding):
         x = F.pad(x, [w for p in reversed(padding) for w in (p, p)], mode=module.padding_mode)
         padding = (0,) * len(padding)
-        # Its own agreement: the padded chunk's sizes differ from the exchange-first
-        # window's, and it needs no gradient when padded under no_grad (a timing trial).
+        # Its own agreement: the padded chunk's sizes differ from the unpadded chunk's,
+        # and it needs no gradient when padded under no_grad.
         reuse = (reuse[0], (reuse[1], "padded", x.requires_grad))
     weight, bias = (module.weight, module.bias) if params is None else params
     return halo_conv(x, weight, bias, dim=annotation.dim,
