@@ -48,6 +48,10 @@ CASES = [
     (5, 13, 3, 1, 1, 1, "replicate", 1, True, True),   # conv3d, replicate
     (4, 9, 3, 1, 1, 1, "reflect", 1, False, True),     # chunks as long as the reach
     (3, 7, 5, 1, 2, 2, "zeros", 1, True, True),        # reach 4: exchange first on 2+ ranks
+    # 1-frame conv3d chunks (4 ranks; 3 ranks: 2, 1, 1) as one conv2d per tap (eager)
+    (5, 4, 3, 1, 1, 1, "replicate", 1, True, True),
+    (5, 5, 3, 2, 2, 2, "zeros", 2, True, False),       # dilated taps skip window frames
+    (5, 4, 3, 1, 2, 0, "circular", 1, False, True),    # causal
 ]
 # The formulation each path's backward node names (which one ran).
 NODES = {"_CorrectedConvBackward": CORRECTED, "_HaloConvBackward": "split or whole"}
@@ -97,6 +101,8 @@ def case_conv(mesh: DeviceMesh, ndim: int, length: int, kernel: int, dilation: i
 def on_gloo() -> set[str]:
     mesh = worker_mesh(dist.get_world_size())
     ran = {case_conv(mesh, *case) for case in CASES}
+    if dist.get_world_size() == 4:  # 1-frame chunks: one conv2d per tap ran
+        ran.add(f"taps {_taps_ran(mesh, CASES[-3])}")
     for transport in ("p2p", "allgather"):  # split and corrected over the other transports
         ran.add(case_conv(mesh, *CASES[1], transport=transport))
         ran.add(case_conv(mesh, *CASES[0], transport=transport))
@@ -105,11 +111,25 @@ def on_gloo() -> set[str]:
     return ran
 
 
+def _taps_ran(mesh: DeviceMesh, case: tuple) -> int:
+    """How many times `case` ran a one-frame chunk as one conv2d per tap."""
+    import haloshard._conv as conv
+
+    calls, original = [], conv._frame_taps_conv
+    conv._frame_taps_conv = lambda *args: calls.append(1) or original(*args)
+    try:
+        case_conv(mesh, *case)
+    finally:
+        conv._frame_taps_conv = original
+    return len(calls)
+
+
 @pytest.mark.gloo
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_gloo(gloo, world: int) -> None:
     for ran in gloo(world).run(on_gloo):
         assert set(NODES) <= ran, ran  # both autograd Functions ran
+        assert world != 4 or "taps 1" in ran, ran
 
 
 @pytest.mark.simulated
