@@ -465,7 +465,8 @@ def _whole_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     gradient are never held at once beside the conv's workspace: the weight gradient from
     the window rebuilt, which is then dropped; the input gradient from the window's shape
     alone (`torch.nn.grad.conv*_input`), its halo gradients sent to their owners while the
-    chunk's part is copied out, then added in."""
+    chunk's part is copied out, then added in. A one-frame chunk takes both tap by tap
+    (`_frame_taps_backward`)."""
     dim, length = args.dim, x.shape[args.dim]
     if _one_frame(x, args):
         g_buf, g_w = _frame_taps_backward(grad, x, weight, windows[0], args)
