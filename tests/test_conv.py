@@ -17,8 +17,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh
 
-from haloshard import HaloError, halo_conv
-from haloshard._conv import CORRECTED, SPLIT, halo_taps
+from haloshard import HaloError, _conv, halo_conv
+from haloshard._conv import CORRECTED, SPLIT, WHOLE, _ConvArgs, halo_taps
 from haloshard.testing import (
     assert_close_per_rank,
     check_module,
@@ -103,6 +103,8 @@ def on_gloo() -> set[str]:
     ran = {case_conv(mesh, *case) for case in CASES}
     if dist.get_world_size() == 4:  # 1-frame chunks: one conv2d per tap ran
         ran.add(f"taps {_taps_ran(mesh, CASES[-3])}")
+    # float64 is torch's slow conv3d path: exchanging first, 3- to 7-frame chunks by taps
+    ran.add(f"taps of frames {_taps_ran(mesh, CASES[4])}")
     for transport in ("p2p", "allgather"):  # split and corrected over the other transports
         ran.add(case_conv(mesh, *CASES[1], transport=transport))
         ran.add(case_conv(mesh, *CASES[0], transport=transport))
@@ -112,15 +114,14 @@ def on_gloo() -> set[str]:
 
 
 def _taps_ran(mesh: DeviceMesh, case: tuple) -> int:
-    """How many times `case` ran a one-frame chunk as one conv2d per tap."""
-    import haloshard._conv as conv
-
-    calls, original = [], conv._frame_taps_conv
-    conv._frame_taps_conv = lambda *args: calls.append(1) or original(*args)
+    """How many times `case` ran the window's conv3d as one conv2d per tap."""
+    conv = _conv
+    calls, original = [], conv._taps_conv
+    conv._taps_conv = lambda *args: calls.append(1) or original(*args)
     try:
         case_conv(mesh, *case)
     finally:
-        conv._frame_taps_conv = original
+        conv._taps_conv = original
     return len(calls)
 
 
@@ -130,6 +131,7 @@ def test_gloo(gloo, world: int) -> None:
     for ran in gloo(world).run(on_gloo):
         assert set(NODES) <= ran, ran  # both autograd Functions ran
         assert world != 4 or "taps 1" in ran, ran
+        assert "taps of frames 1" in ran, ran
 
 
 @pytest.mark.simulated
@@ -174,6 +176,80 @@ def test_exchange_first_keeps_chunk_and_halos() -> None:
         assert_close_per_rank(x.grad - first[0], lambda r: torch.zeros(
             1, 4, 6, 5, 5, dtype=torch.float64), mesh)
         torch.testing.assert_close(w.grad, first[1], atol=0, rtol=0)
+
+
+@st.composite
+def taps_problems(draw: st.DrawFn) -> tuple:
+    """A window conv3d run tap by tap: sharded dim, frames, batch, groups, dilations,
+    strides and paddings of the other dims, bias."""
+    dim, length, batch = draw(st.integers(2, 4)), draw(st.integers(1, 4)), draw(
+        st.integers(1, 2))
+    groups, kernel = draw(st.sampled_from([1, 2])), draw(st.integers(1, 3))
+    dilation = [draw(st.integers(1, 2)) for _ in range(3)]
+    stride = [1 if d == dim - 2 else draw(st.integers(1, 2)) for d in range(3)]
+    padding = [0 if d == dim - 2 else draw(st.integers(0, 1)) for d in range(3)]
+    left = draw(st.integers(0, dilation[dim - 2] * (kernel - 1)))
+    return (dim, length, batch, groups, kernel, dilation, stride, padding, left,
+            draw(st.booleans()))
+
+
+@settings(max_examples=30, deadline=None)
+@given(taps_problems())
+def test_taps_match_window_conv(problem: tuple) -> None:
+    """The window's conv3d as one conv2d per tap (`_taps_conv`, `_taps_backward`), along
+    any spatial dim, against `F.conv3d` of the window and its autograd gradients: output,
+    window and weight gradients (float64; the taps sum the same products in another
+    order, so within 1e-12)."""
+    dim, length, batch, groups, kernel, dilation, stride, padding, left, bias = problem
+    reach = dilation[dim - 2] * (kernel - 1)
+    gen = torch.Generator().manual_seed(length * 7 + kernel)
+    sizes = [5, 4, 6]
+    sizes[dim - 2] = length
+    x = torch.randn(batch, 4, *sizes, generator=gen, dtype=torch.float64)
+    ks = [3, 2, 3]
+    ks[dim - 2] = kernel
+    w = torch.randn(6, 4 // groups, *ks, generator=gen, dtype=torch.float64)
+    b = torch.randn(6, generator=gen, dtype=torch.float64) if bias else None
+    halo_shape = list(x.shape)
+    halo_shape[dim] = reach
+    halos = torch.randn(halo_shape, generator=gen, dtype=torch.float64)
+    args = _ConvArgs(dim, left, reach - left, stride, padding, dilation, groups, WHOLE, False)
+    window = torch.cat([halos.narrow(dim, 0, left), x, halos.narrow(dim, left, reach - left)],
+                       dim).requires_grad_()
+    refs = [t.clone().requires_grad_() for t in (w, b) if t is not None]
+    ref = F.conv3d(window, refs[0], refs[1] if bias else None, stride, padding, dilation,
+                   groups)
+    upstream = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    (ref * upstream).sum().backward()
+    frames, view = _conv._frames_first(x, args)
+    view.copy_(window.detach())
+    torch.testing.assert_close(_conv._taps_conv(frames, w, b, args, length), ref.detach(),
+                               **TOL)
+    g_window, g_w = _conv._taps_backward(upstream, x, w, halos, args)
+    torch.testing.assert_close(g_window, window.grad, **TOL)
+    torch.testing.assert_close(g_w, refs[0].grad, **TOL)
+
+
+def test_taps_where_the_window_conv_is_slow() -> None:
+    """Taps replace the window's conv3d where torch runs it on its slow path (few channels
+    and frames, a batch of one, or float64), or the chunk is one frame long; oneDNN's
+    windows (C256 over 32x32, channels_last) and other ranks keep the conv3d."""
+    def by_taps(shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
+                channels_last: bool = False) -> bool:
+        x = torch.zeros(shape, dtype=dtype)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last_3d)
+        w = torch.zeros(shape[1], shape[1], *(3,) * (len(shape) - 2), dtype=dtype)
+        n = len(shape) - 2
+        args = _ConvArgs(2, 1, 1, [1] * n, [0] + [1] * (n - 1), [1] * n, 1, WHOLE, False)
+        return _conv._by_taps(x, w, args)
+
+    assert by_taps((1, 32, 2, 32, 32)) and by_taps((1, 64, 4, 48, 48))
+    assert by_taps((1, 8, 9, 6, 6), torch.float64)
+    assert by_taps((1, 256, 1, 32, 32))  # one frame
+    assert not by_taps((1, 256, 2, 32, 32))  # oneDNN's window: 4 frames of C256
+    assert not by_taps((1, 32, 2, 32, 32), channels_last=True)
+    assert not by_taps((1, 32, 64, 32))  # conv2d
 
 
 @st.composite

@@ -100,6 +100,11 @@ wait_tensor = _funcol.wait_tensor
 tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
 
+# The kernel torch's `aten.convolution` picks for given sizes, dtype and device, and the
+# kernels of its slow conv3d paths on CPU (`_conv` runs such a window's conv as conv2ds).
+select_conv_backend = torch._C._select_conv_backend
+SLOW_CONV3D = frozenset({torch._C._ConvBackend.Slow3d, torch._C._ConvBackend.SlowDilated3d})
+
 # nn.Conv*'s private record of its padding, read by its forward for non-zeros padding modes:
 # `_specs` checks it against `padding` and the hooks keep it in step when they zero one dim.
 CONV_PADDING_RECORD = "_reversed_padding_repeated_twice"

@@ -11,7 +11,10 @@ forward and backward, this keeps only the halo (and, in forward, its transport b
 
 Halos of unequal sides (causal) cannot be a conv's own padding: their outputs are split into
 an interior conv and two thin edge windows, concatenated. Chunks shorter than the kernel's
-reach exchange first. In every formulation the arithmetic is the single-device conv's, summed
+reach exchange first. Exchanging first, a conv3d whose window torch would convolve on its
+slow path (on CPU, few channels, frames and rows: im2col columns many times the input) runs
+as one conv2d per kernel tap along `dim`, the frames folded into the batch. In every
+formulation the arithmetic is the single-device conv's, summed
 in another order (float rounding may differ in the last bits).
 """
 
@@ -22,9 +25,11 @@ from functools import lru_cache
 from typing import Any
 
 import torch
+from einops import rearrange
 
 from haloshard import _comm
 from haloshard._comm import GroupLike, Pending
+from haloshard._compat import SLOW_CONV3D, select_conv_backend
 from haloshard._errors import HaloError
 from haloshard._exchange import (
     HaloMove,
@@ -297,9 +302,16 @@ class _HaloConv(torch.autograd.Function):
         else:
             # An empty chunk would ask the conv for zero outputs, which it refuses: one zero
             # slice more gives it one output, dropped again (and its gradient is zero).
-            buf = move.assemble(x, moved, torch.sym_max(0, 1 - length) if args.spare else None)
-            y = (_frame_taps_conv(buf, weight, bias, args) if _one_frame(x, args)
-                 else args.conv(buf, weight, bias).narrow(dim, 0, length))
+            ctx.taps = _by_taps(x, weight, args)
+            if ctx.taps:
+                frames, buf = _frames_first(x, args)
+                buf.narrow(dim, left, length).copy_(x)
+                move.fill(buf, x, moved)
+                y = _taps_conv(frames, weight, bias, args, length)
+            else:
+                buf = move.assemble(x, moved,
+                                    torch.sym_max(0, 1 - length) if args.spare else None)
+                y = args.conv(buf, weight, bias).narrow(dim, 0, length)
             # Backward rebuilds the window from the chunk and its halo slices: kept whole,
             # it would hold a copy of the chunk beside the chunk itself.
             windows = (_halo_slices(buf, args, length),) if any(ctx.needs_input_grad) else ()
@@ -311,8 +323,10 @@ class _HaloConv(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, weight, *windows = ctx.saved_tensors
         args: _ConvArgs = ctx.args
-        g_x, g_w = (_split_backward if args.path == SPLIT else _whole_backward)(
-            grad, x, weight, windows, ctx.move, args)
+        if args.path == SPLIT:
+            g_x, g_w = _split_backward(grad, x, weight, windows, ctx.move, args)
+        else:
+            g_x, g_w = _whole_backward(grad, x, weight, windows, ctx.move, args, ctx.taps)
         g_b = grad.sum([d for d in range(grad.ndim) if d != 1]) if ctx.has_bias else None
         return g_x, g_w, g_b, None, None
 
@@ -380,30 +394,49 @@ def _halo_slices(buf: torch.Tensor, args: _ConvArgs, length: Any) -> torch.Tenso
 def _rebuilt(x: torch.Tensor, halos: torch.Tensor, args: _ConvArgs, shape: list[Any]
              ) -> torch.Tensor:
     """The window `assemble` built in forward, from the chunk and its halo slices."""
-    dim, left, right, length = args.dim, args.left, args.right, x.shape[args.dim]
     buf = empty_like_layout(x, shape)
+    _fill_window(buf, x, halos, args)
+    spare = shape[args.dim] - (args.left + x.shape[args.dim] + args.right)
+    buf.narrow(args.dim, args.left + x.shape[args.dim] + args.right, spare).zero_()
+    return buf
+
+
+def _fill_window(buf: torch.Tensor, x: torch.Tensor, halos: torch.Tensor, args: _ConvArgs
+                 ) -> None:
+    """`buf[:left + T_r + right] = [left halo ++ chunk ++ right halo]` along `dim`."""
+    dim, left, right, length = args.dim, args.left, args.right, x.shape[args.dim]
     buf.narrow(dim, 0, left).copy_(halos.narrow(dim, 0, left))
     buf.narrow(dim, left, length).copy_(x)
     buf.narrow(dim, left + length, right).copy_(halos.narrow(dim, left, right))
-    spare = shape[dim] - (left + length + right)
-    buf.narrow(dim, left + length + right, spare).zero_()
-    return buf
 
 
 _INPUT_GRAD = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input,
                3: torch.nn.grad.conv3d_input}
 
 
-def _one_frame(x: torch.Tensor, args: _ConvArgs) -> bool:
-    """A conv3d chunk of one frame (eager, contiguous): its window is `left + 1 + right`
-    frames and each kernel tap along `dim` reads one of them, so the conv is a sum of
-    conv2ds, one per tap, of that frame with the weight's slice (`_frame_taps_conv`), no
-    window conv. On CPU the window's conv3d with no padding along T takes torch's slow
-    path; the per-tap conv2ds ran in 0.78 to 0.83 of the chunk's own padded conv3d and
-    0.2 to 0.3 of its peak memory (C32 and C128, 32x32, fwd+bwd, 1 thread)."""
+def _by_taps(x: torch.Tensor, weight: torch.Tensor, args: _ConvArgs) -> bool:
+    """Whether the exchanged window's conv3d runs as one conv2d per kernel tap along `dim`
+    (`_taps_conv`): for a 5-D contiguous eager chunk, where torch would run the window's
+    conv3d on its slow path (asked of torch's own choice of kernel) or the chunk is one
+    frame long. Each tap reads `T_r` frames of the window, folded into the batch, so
+    oneDNN runs it. Measured fwd+bwd, 1 thread, against the chunk's own padded conv3d:
+    0.30 to 0.63 of its time (C32 to C128, 2 to 16 frames, 32x32 to 64x64), where the
+    window's conv3d took 0.95 to 1.21; where oneDNN runs the window (C256 T2, C128 T8
+    64x64, bf16) it stays: the taps took 1.04 to 1.33 of its time there."""
     length = x.shape[args.dim]
-    return (x.ndim == 5 and isinstance(length, int) and length == 1 and _comm.is_eager(x)
-            and memory_format(x) == torch.contiguous_format)
+    if (x.ndim != 5 or not isinstance(length, int) or length < 1 or args.spare
+            or not _comm.is_eager(x) or memory_format(x) != torch.contiguous_format):
+        return False
+    if length == 1:
+        return True
+    shape = list(x.shape)
+    shape[args.dim] = length + args.reach
+    window = x.new_empty(1).expand(shape)  # the choice reads sizes and dtype, not data
+    # torch's slow conv3d on CPU: float64, or a batch of one with dilation or with few
+    # channels, frames and rows (`C * T * H <= 20480`); its im2col columns are 27 times the
+    # input for k3
+    return select_conv_backend(window, weight, None, args.stride, args.padding,
+                               args.dilation, False, [0, 0, 0], args.groups) in SLOW_CONV3D
 
 
 def _other_dims(args: _ConvArgs) -> tuple[list[int], list[int], list[int]]:
@@ -413,63 +446,81 @@ def _other_dims(args: _ConvArgs) -> tuple[list[int], list[int], list[int]]:
                  for values in (args.stride, args.padding, args.dilation))
 
 
-def _frame_at(window: int, x: torch.Tensor, halos: torch.Tensor, args: _ConvArgs
-              ) -> torch.Tensor:
-    """Frame `window` of a one-frame chunk's window `[left halo ++ chunk ++ right halo]`."""
-    if window == args.left:
-        return x.select(args.dim, 0)
-    return halos.select(args.dim, window if window < args.left else window - 1)
+def _axes(dim: int) -> tuple[str, str]:
+    """einops names of a conv3d tensor with `dim` as `t`, and of its two other spatial dims."""
+    names = ["b", "c", "x", "y", "z"]
+    names[dim] = "t"
+    return " ".join(names), " ".join(n for n in names[2:] if n != "t")
 
 
-def _frame_taps_conv(buf: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     args: _ConvArgs) -> torch.Tensor:
-    """`(B, C, left + 1 + right, H, W) -> (B, O, 1, H, W)`: the one output frame as the sum
-    over taps `j` of `conv2d(window[j * dilation], weight[:, :, j])` (see `_one_frame`)."""
+def _frames_first(x: torch.Tensor, args: _ConvArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A window buffer `(T', B, C, *others)`, frames outermost, and its `(B, C, ...)` view
+    (`T' = left + T_r + right` along `dim`), for `_taps_conv`: a tap's frames, folded into
+    the batch, are then one dense slice of it."""
+    full, rest = _axes(args.dim)
+    others = [n for i, n in enumerate(x.shape) if i >= 2 and i != args.dim]
+    frames = x.new_empty([args.left + x.shape[args.dim] + args.right, *x.shape[:2], *others])
+    return frames, rearrange(frames, f"t b c {rest} -> {full}")
+
+
+def _taps_conv(frames: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               args: _ConvArgs, length: int) -> torch.Tensor:
+    """`(T', B, C, ...) -> (B, O, T_r, ...)`: the window's conv3d as the sum over taps `j`
+    of `conv2d(frames[j d : j d + T_r], weight[:, :, j])`, the frames folded into the batch
+    (see `_by_taps`)."""
     dim, dilation = args.dim, args.dilation[args.dim - 2]
     stride, padding, dil = _other_dims(args)
-    zeros = [0] * len(stride)
     y = None
     for j in range(weight.shape[dim]):
-        out = _conv(buf.select(dim, j * dilation), weight.select(dim, j),
-                    bias if j == 0 else None, stride, padding, dil, False, zeros, args.groups)
+        out = _conv(frames.narrow(0, j * dilation, length).flatten(0, 1),
+                    weight.select(dim, j), bias if j == 0 else None, stride, padding, dil,
+                    False, [0, 0], args.groups)
         y = out if y is None else y.add_(out)
     assert y is not None
-    return y.unsqueeze(dim)
+    full, rest = _axes(dim)
+    return rearrange(y, f"(t b) c {rest} -> {full}", t=length).contiguous()
 
 
-def _frame_taps_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                         halos: torch.Tensor, args: _ConvArgs
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_frame_taps_conv`'s weight gradient and its window's gradient, tap by tap (window
-    frames no tap reads, between dilated taps, get zero)."""
-    dim, dilation = args.dim, args.dilation[args.dim - 2]
+def _taps_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   halos: torch.Tensor, args: _ConvArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_taps_conv`'s window gradient (a `(B, C, T', ...)` view, frames outermost; frames no
+    tap reads, between dilated taps, get zero) and weight gradient, tap by tap: the weight
+    gradient from the window rebuilt frames first, dropped before the window's gradient is
+    made (as `_whole_backward` does)."""
+    dim, dilation, length = args.dim, args.dilation[args.dim - 2], x.shape[args.dim]
     stride, padding, dil = _other_dims(args)
-    g = grad.select(dim, 0).contiguous()
+    full, rest = _axes(dim)
+    g = rearrange(grad, f"{full} -> (t b) c {rest}").contiguous()
+    frames, window = _frames_first(x, args)
+    _fill_window(window, x, halos, args)
     g_w = torch.empty_like(weight)
-    shape = list(x.shape)
-    shape[dim] = args.left + 1 + args.right
-    g_buf = x.new_zeros(shape)
     for j in range(weight.shape[dim]):
-        frame, w_j = _frame_at(j * dilation, x, halos, args), weight.select(dim, j)
         g_w.select(dim, j).copy_(torch.nn.grad.conv2d_weight(
-            frame, list(w_j.shape), g, stride, padding, dil, args.groups))
-        g_buf.select(dim, j * dilation).copy_(torch.nn.grad.conv2d_input(
-            list(frame.shape), w_j, g, stride, padding, dil, args.groups))
-    return g_buf, g_w
+            frames.narrow(0, j * dilation, length).flatten(0, 1),
+            list(weight.select(dim, j).shape), g, stride, padding, dil, args.groups))
+    shape = list(frames.shape)
+    del frames, window
+    g_frames = x.new_zeros(shape)
+    tap_shape = [length * shape[1], *shape[2:]]
+    for j in range(weight.shape[dim]):
+        g_frames.narrow(0, j * dilation, length).add_(torch.nn.grad.conv2d_input(
+            tap_shape, weight.select(dim, j), g, stride, padding, dil, args.groups
+        ).unflatten(0, (length, -1)))
+    return rearrange(g_frames, f"t b c {rest} -> {full}"), g_w
 
 
 def _whole_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                    windows: list[torch.Tensor], move: HaloMove, args: _ConvArgs
+                    windows: list[torch.Tensor], move: HaloMove, args: _ConvArgs, taps: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The exchanged window's conv backward in two calls, so that the window and its
     gradient are never held at once beside the conv's workspace: the weight gradient from
     the window rebuilt, which is then dropped; the input gradient from the window's shape
     alone (`torch.nn.grad.conv*_input`), its halo gradients sent to their owners while the
-    chunk's part is copied out, then added in. A one-frame chunk takes both tap by tap
-    (`_frame_taps_backward`)."""
+    chunk's part is copied out, then added in. A window convolved tap by tap (`taps`, see
+    `_by_taps`) takes both tap by tap (`_taps_backward`)."""
     dim, length = args.dim, x.shape[args.dim]
-    if _one_frame(x, args):
-        g_buf, g_w = _frame_taps_backward(grad, x, weight, windows[0], args)
+    if taps:
+        g_buf, g_w = _taps_backward(grad, x, weight, windows[0], args)
     else:
         grad = with_spare_slice(grad, dim) if args.spare else grad
         grad = grad.contiguous(memory_format=memory_format(grad))  # once, for both calls
