@@ -624,3 +624,31 @@ def test_dropped_pad_hands_the_window_over_simulated() -> None:
         x, _ = sharded(mesh, seeded_randn((1, 2, 8, 3, 3), 0, torch.float32))
         wrapper(x)
     assert wrapper.seen == [True]
+
+
+def test_taps_everywhere_from_the_global_shape() -> None:
+    """`HaloParallel()` exchanges first with no trial where torch would convolve even the
+    longest chunk's window on its slow conv3d path: read from the global shape and the
+    conv's own arguments (the padding of the other dims applied first for a padding mode
+    other than zeros), so every rank decides alike."""
+    from haloshard._compat import maybe_disable_local_tensor_mode
+    from haloshard._hooks import _Site, _taps_everywhere
+    from haloshard._specs import derive_stencil, plan_windows
+
+    def rule(conv: nn.Module, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+             ) -> bool:
+        with simulated_mesh(2) as mesh, maybe_disable_local_tensor_mode():
+            local = torch.zeros((*shape[:2], shape[2] // 2, *shape[3:]), dtype=dtype)
+            plan = plan_windows(derive_stencil(conv, 2), shape[2], 2)
+            return _taps_everywhere(conv.to(dtype), _Site(local, mesh, 0, None, shape, 2),
+                                    plan)
+
+    assert rule(nn.Conv3d(32, 32, 3, padding=1), (1, 32, 8, 32, 32))
+    assert rule(nn.Conv3d(4, 4, 3, padding=1), (1, 4, 8, 6, 6), torch.float64)
+    assert not rule(nn.Conv3d(256, 256, 3, padding=1), (1, 256, 8, 32, 32))  # oneDNN
+    assert not rule(nn.Conv3d(64, 64, 3, padding=1), (2, 64, 8, 48, 48))  # a batch of 2
+    # 4 + 2 frames of C64 over 52 rows: C * T * H = 19968, slow; a padding mode other than
+    # zeros pads the rows first, 54: 20736, oneDNN
+    assert rule(nn.Conv3d(64, 64, 3, padding=1), (1, 64, 8, 52, 52))
+    assert not rule(nn.Conv3d(64, 64, 3, padding=1, padding_mode="replicate"),
+                    (1, 64, 8, 52, 52))

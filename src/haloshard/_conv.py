@@ -431,12 +431,20 @@ def _by_taps(x: torch.Tensor, weight: torch.Tensor, args: _ConvArgs) -> bool:
         return True
     shape = list(x.shape)
     shape[args.dim] = length + args.reach
-    window = x.new_empty(1).expand(shape)  # the choice reads sizes and dtype, not data
-    # torch's slow conv3d on CPU: float64, or a batch of one with dilation or with few
-    # channels, frames and rows (`C * T * H <= 20480`); its im2col columns are 27 times the
-    # input for k3
-    return select_conv_backend(window, weight, None, args.stride, args.padding,
-                               args.dilation, False, [0, 0, 0], args.groups) in SLOW_CONV3D
+    return slow_window(x, shape, weight, args.stride, args.padding, args.dilation,
+                       args.groups)
+
+
+def slow_window(x: torch.Tensor, shape: list[int], weight: torch.Tensor, stride: list[int],
+                padding: list[int], dilation: list[int], groups: int) -> bool:
+    """Whether torch would run the conv3d of a window of `shape` (`x`'s dtype and device)
+    on its slow path: on CPU, float64, or a batch of one with dilation or with few
+    channels, frames and rows (`C * T * H <= 20480`); its im2col columns are 27 times the
+    input for k3. Asked of torch's own choice of kernel, which reads sizes and dtype, not
+    data."""
+    window = x.new_empty(1).expand(shape)
+    return select_conv_backend(window, weight, None, stride, padding, dilation, False,
+                               [0, 0, 0], groups) in SLOW_CONV3D
 
 
 def _other_dims(args: _ConvArgs) -> tuple[list[int], list[int], list[int]]:

@@ -39,9 +39,9 @@ from haloshard._compat import (
     enabled_local_tensor_mode,
     maybe_run_for_local_tensor,
 )
-from haloshard._conv import halo_conv
+from haloshard._conv import halo_conv, slow_window
 from haloshard._errors import HaloError
-from haloshard._exchange import Reuse, exchange
+from haloshard._exchange import Reuse, exchange, memory_format
 from haloshard._forward import (
     _HANDLE,
     HaloHandle,
@@ -378,15 +378,17 @@ class _HaloForward(ShardedForward):
     def overlaps(self, site: _Site, plan: WindowPlan, reuse: Reuse) -> bool:
         """Whether this call runs the conv as `halo_conv` (the chunk's own conv while the halo
         travels, boundary corrections once it arrives) or exchanges first: as given, or
-        (`overlap=None`) decided once per global input signature. On CPU (eager c10d, not
+        (`overlap=None`) decided once per global input signature. A conv3d whose window
+        torch would convolve on its slow path exchanges first, tap by tap
+        (`_taps_everywhere`, from shapes alone). Otherwise, on CPU (eager c10d, not
         deterministic mode) both are timed once, as `cudnn.benchmark` does
         (`faster_overlapped`): no engine moves the halo beside the conv there, and which
         formulation runs faster depends on the shape (2 frames of C256 exchanged first:
-        0.58 of the chunk's own padded conv; 16 frames of C32: 1.03 of the overlapped
+        0.58 of the chunk's own padded conv; 8 frames of C64 48x48: 1.03 of the overlapped
         conv). Exchange-first, whose backward holds a copy of the chunk, must be
         `_EXCHANGE_FIRST_MARGIN` faster. Elsewhere (GPUs, where the halo travels beside
         the conv; compiled, simulated, deterministic) it overlaps. Every rank takes the
-        same choice (two small gathers, once)."""
+        same choice (from the global shape, or two small gathers, once)."""
         if self.overlap is not None:
             return self.overlap
         x = site.local
@@ -394,7 +396,10 @@ class _HaloForward(ShardedForward):
         if key not in self.chosen:
             timed = (_comm.is_eager(x) and x.device.type == "cpu"
                      and not torch.are_deterministic_algorithms_enabled())
-            self.chosen[key] = not timed or self.faster_overlapped(site, plan, reuse, key)
+            # where torch would run the conv3d on its slow path, exchanging first runs it as
+            # conv2ds, far faster than the chunk's own slow conv: no trial needed
+            self.chosen[key] = not _taps_everywhere(self.module, site, plan) and (
+                not timed or self.faster_overlapped(site, plan, reuse, key))
         return self.chosen[key]
 
     def faster_overlapped(self, site: _Site, plan: WindowPlan, reuse: Reuse, key: Any
@@ -457,6 +462,29 @@ def _overlap_kept(rows: list[list[int]]) -> bool:
     """
     first = sum(r[1] for r in rows)
     return first >= (1 - _EXCHANGE_FIRST_MARGIN) * sum(r[0] for r in rows)
+
+
+def _taps_everywhere(module: nn.Module, site: _Site, plan: WindowPlan) -> bool:
+    """Whether exchanging first runs this conv3d tap by tap on every rank: torch would
+    convolve even the longest chunk's window on its slow path (`halo_conv`'s `_by_taps`,
+    from the global shape, so every rank takes the same choice). There the chunk's own
+    padded conv3d, the overlapped formulation's, is on that slow path too: exchange-first
+    measured 0.19 to 0.86 of its time (`benchmarks.matrix`, the shapes it takes), with no
+    trial at the first call, and in deterministic mode too (the rule reads only shapes)."""
+    x = site.local
+    if x.ndim != 5 or not _comm.is_eager(x) or memory_format(x) != torch.contiguous_format:
+        return False
+    along = site.dim - 2
+    padded = module.padding_mode != "zeros"
+    shape, padding = list(x.shape), []
+    for i, p in enumerate(module.padding):
+        if padded and i != along:  # padded before the conv, as `_overlapped_conv` does
+            shape[2 + i] += 2 * p
+        padding.append(0 if padded or i == along else p)
+    shape[site.dim] = max(shard_sizes(site.length, site.mesh.size(site.axis))) + (
+        plan.left + plan.right)
+    return slow_window(x, shape, module.weight, list(module.stride), padding,
+                       list(module.dilation), module.groups)
 
 
 def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan, site: _Site
