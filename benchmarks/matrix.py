@@ -25,6 +25,10 @@ Columns, per shape (time over the floor's):
 - `taps`: kernel taps any exact formulation computes over the floor's (`Case.taps`): the
   floor skips the taps reading its zero padding, the halo's are real work, so no exact
   path can go below it where the conv's cost follows its taps;
+- `fl+mv`: the floor with a bare all-to-all of the halo bytes beside its forward and of
+  their gradients beside its backward (prebuilt buffers, nothing else), over the floor:
+  what moving the halo alone costs on this machine, which every exact formulation pays on
+  top of its `taps`;
 - `sent / halo`: bytes the rank sent in all-to-alls per step over the halo bytes it owes
   (forward: its edge slices its neighbours need; backward: the gradients of the halo slices
   it received), 1.00: only halo bytes cross the wire;
@@ -214,8 +218,30 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
     def floor() -> None:
         floor_layer(local.detach().requires_grad_()).float().sum().backward()
 
+    lengths = tuple(shard(full, 2, world, r).shape[2] for r in range(world))
+    left, right = (spec.left, spec.right) if spec else (case.k // 2, case.k // 2)
+    plan = exchange_plan(rank, lengths, left, right, "zeros")
+    row = full.narrow(2, 0, 1).numel()
+    sent, received = ([n * row for n in splits]
+                      for splits in (plan.send_splits, plan.recv_splits))
+    bufs = {n: torch.zeros(sum(n), dtype=case.dtype, device=device)
+            for n in (tuple(sent), tuple(received))}
+    halo_send, halo_recv = bufs[tuple(sent)], bufs[tuple(received)].clone()
+    grad_send, grad_recv = bufs[tuple(received)], bufs[tuple(sent)].clone()
+
+    def floor_move() -> None:
+        """The floor with a bare all-to-all of the halo bytes beside its forward and of
+        their gradients beside its backward (prebuilt buffers, nothing else): what any
+        exact formulation pays at least, the floor plus moving the halo on this machine."""
+        work = dist.all_to_all_single(halo_recv, halo_send, received, sent, async_op=True)
+        y = floor_layer(local.detach().requires_grad_()).float().sum()
+        work.wait()
+        work = dist.all_to_all_single(grad_recv, grad_send, sent, received, async_op=True)
+        y.backward()
+        work.wait()
+
     steps = {"floor": floor, "default": through(default), "overlap": through(overlap),
-             "no overlap": through(no_overlap)}
+             "no overlap": through(no_overlap), "floor+move": floor_move}
     for step in steps.values():  # untimed: plans, buffers, first collectives, the heap
         step()
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -228,9 +254,6 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
             times[name].append((time.perf_counter() - start) * 1e3)
     with _Count() as count:
         steps["default"]()
-    lengths = tuple(shard(full, 2, world, r).shape[2] for r in range(world))
-    left, right = (spec.left, spec.right) if spec else (case.k // 2, case.k // 2)
-    plan = exchange_plan(rank, lengths, left, right, "zeros")
     slice_bytes = full.narrow(2, 0, 1).numel() * full.element_size()
     # forward: the edge slices neighbours need; backward: the gradients of the halo slices
     # this rank received, back to their owners
@@ -278,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.stat} of {args.iters} rounds, through parallelize_module on a Shard(2) "
           "DTensor")
     print(f"{'shape':<36} {'default':>8} {'overlap':>8} {'no ovl':>8} {'chose':>6} "
-          f"{'chosen/best':>11} {'in limit':>8} {'dflt/chsn':>9} {'taps':>6} "
+          f"{'chosen/best':>11} {'in limit':>8} {'dflt/chsn':>9} {'taps':>6} {'fl+mv':>6} "
           f"{'sent/halo':>10} {'meta':>5} {'peak/floor':>11} {'pk ovl':>7} {'pk xf':>6} "
           f"{'limit':>6}")
     worst = worst_best = worst_fit = ("", 0.0)
@@ -312,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{ratio('no overlap', 'floor'):>8.3f} {_SHORT[chose]:>6} {cost:>11.3f} "
                   f"{cost_fit:>8.3f} "
                   f"{ratio('default', chose):>9.3f} "
-                  f"{case.taps(args.ranks):>6.3f} {max(r['sent'] for r in ranks):>10.2f} "
+                  f"{case.taps(args.ranks):>6.3f} {ratio('floor+move', 'floor'):>6.3f} "
+                  f"{max(r['sent'] for r in ranks):>10.2f} "
                   f"{max(r['meta'] for r in ranks):>5} {peak:>11.3f} {peak_ovl:>7.3f} "
                   f"{peak_xf:>6.3f} {limit:>6.3f}")
     print(f"worst default / floor: {worst[1]:.3f} ({worst[0]}); worst chosen / best: "
