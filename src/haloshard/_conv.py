@@ -14,8 +14,8 @@ an interior conv and two thin edge windows, concatenated. Chunks shorter than th
 reach exchange first. Exchanging first, a conv3d whose window torch would convolve on its
 slow path (on CPU, few channels, frames and rows: im2col columns many times the input) runs
 as one conv2d per kernel tap along `dim`, the frames folded into the batch. In every
-formulation the arithmetic is the single-device conv's, summed
-in another order (float rounding may differ in the last bits).
+formulation the arithmetic is the single-device conv's, summed in another order (float
+rounding may differ in the last bits).
 """
 
 from __future__ import annotations
