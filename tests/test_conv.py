@@ -115,13 +115,12 @@ def on_gloo() -> set[str]:
 
 def _taps_ran(mesh: DeviceMesh, case: tuple) -> int:
     """How many times `case` ran the window's conv3d as one conv2d per tap."""
-    conv = _conv
-    calls, original = [], conv._taps_conv
-    conv._taps_conv = lambda *args: calls.append(1) or original(*args)
+    calls, original = [], _conv._taps_conv
+    _conv._taps_conv = lambda *args: calls.append(1) or original(*args)
     try:
         case_conv(mesh, *case)
     finally:
-        conv._taps_conv = original
+        _conv._taps_conv = original
     return len(calls)
 
 
