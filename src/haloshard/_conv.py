@@ -305,8 +305,7 @@ class _HaloConv(torch.autograd.Function):
             ctx.taps = _by_taps(x, weight, args)
             if ctx.taps:
                 frames, buf = _frames_first(x, args)
-                buf.narrow(dim, left, length).copy_(x)
-                move.fill(buf, x, moved)
+                move.assemble(x, moved, out=buf)
                 y = _taps_conv(frames, weight, bias, args, length)
             else:
                 buf = move.assemble(x, moved,

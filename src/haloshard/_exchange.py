@@ -503,16 +503,17 @@ class HaloMove:
         out.index_copy_(dim, f.dup_recv_pos, recv.index_select(dim, f.dup_recv_slot))
         out.index_copy_(dim, f.dup_own_pos, x.index_select(dim, f.dup_own_src))
 
-    def assemble(self, x: torch.Tensor, moved: _comm.Pending, spare: Any = None
-                 ) -> torch.Tensor:
-        """`x` extended by its halos (and `spare` zero slices after them, when given): a new
-        buffer in `x`'s memory format, the chunk copied in while the halo travels, then
-        `fill`."""
+    def assemble(self, x: torch.Tensor, moved: _comm.Pending, spare: Any = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """`x` extended by its halos (and `spare` zero slices after them, when given): in
+        `out` (any strides) or a new buffer in `x`'s memory format, the chunk copied in
+        while the halo travels, then `fill`."""
         route = self.route
         dim, left, length = route.dim, route.left, x.shape[route.dim]
-        shape = list(x.shape)
-        shape[dim] = left + length + route.right + (0 if spare is None else spare)
-        out = empty_like_layout(x, shape)
+        if out is None:
+            shape = list(x.shape)
+            shape[dim] = left + length + route.right + (0 if spare is None else spare)
+            out = empty_like_layout(x, shape)
         out.narrow(dim, left, length).copy_(x)
         if spare is not None:
             out.narrow(dim, left + length + route.right, spare).zero_()
