@@ -224,10 +224,9 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
     row = full.narrow(2, 0, 1).numel()
     sent, received = ([n * row for n in splits]
                       for splits in (plan.send_splits, plan.recv_splits))
-    bufs = {n: torch.zeros(sum(n), dtype=case.dtype, device=device)
-            for n in (tuple(sent), tuple(received))}
-    halo_send, halo_recv = bufs[tuple(sent)], bufs[tuple(received)].clone()
-    grad_send, grad_recv = bufs[tuple(received)], bufs[tuple(sent)].clone()
+    halo_send, grad_recv, halo_recv, grad_send = (
+        torch.zeros(sum(n), dtype=case.dtype, device=device)
+        for n in (sent, sent, received, received))
 
     def floor_move() -> None:
         """The floor with a bare all-to-all of the halo bytes beside its forward and of
@@ -254,7 +253,7 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
             times[name].append((time.perf_counter() - start) * 1e3)
     with _Count() as count:
         steps["default"]()
-    slice_bytes = full.narrow(2, 0, 1).numel() * full.element_size()
+    slice_bytes = row * full.element_size()
     # forward: the edge slices neighbours need; backward: the gradients of the halo slices
     # this rank received, back to their owners
     halo = (sum(plan.send_splits) + sum(plan.recv_splits)) * slice_bytes
