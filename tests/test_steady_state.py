@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from haloshard import HaloError, HaloParallel, HaloShard
 from haloshard._hooks import _TRIAL_MAX_ROUNDS, _TRIAL_ROUNDS
@@ -32,6 +33,20 @@ from haloshard.testing import (
 )
 
 TOL = {"atol": 1e-12, "rtol": 1e-10}
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops run inside, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(func._schema.name.split("::")[-1])
+        return func(*args, **(kwargs or {}))
+
+
 class Causal(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -66,9 +81,12 @@ def steady_state() -> dict[str, Any]:
         x = DTensor.from_local(leaf, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
         with counted_collectives() as forward:
             y = model(x)
-        with counted_collectives() as backward:
+        with counted_collectives() as backward, _Ops() as ops:
             y.to_local().sum().backward()
         counts.append((dict(forward), dict(backward)))
+        # the causal wrapper runs on the exchanged buffer itself, not a narrow() view of it
+        # (whose backward would write the buffer's gradient whole before the exchange's)
+        assert "slice_backward" not in ops.names, ops.names
         errors.append((y.to_local() - shard(expected, 2, 2, rank)).abs().max().item())
     # a chunk one frame too long on rank 1 only, with the agreed global shape: rank 1's row
     # differs from the agreed one; it raises, and its flag makes rank 0 raise in the move

@@ -672,7 +672,11 @@ def _window(site: _Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse
                            plan.right, x.ndim, dim, x.device)
         x = x.masked_fill(outside, stencil.fill)
     start, length, zeros = _pick(rank, plan.win_start, plan.win_len, plan.win_zeros)
-    x = x.narrow(dim, start, length)
+    # A window that is the whole exchanged buffer stays as it is: a narrow() view's backward
+    # would write the buffer's gradient whole (zeros, then a copy) before the exchange's own.
+    if not (isinstance(start, int) and isinstance(length, int) and start == 0
+            and length == x.shape[dim]):
+        x = x.narrow(dim, start, length)
     # Symbolic per-rank counts (LocalTensorMode) cannot be tested; padding by 0 is harmless.
     if isinstance(zeros, torch.SymInt) or zeros:
         x = F.pad(x, [0, 0] * (x.ndim - 1 - dim) + [0, zeros])
