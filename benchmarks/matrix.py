@@ -29,6 +29,10 @@ Columns, per shape (time over the floor's):
   their gradients beside its backward (prebuilt buffers, nothing else), over the floor:
   what moving the halo alone costs on this machine, which every exact formulation pays on
   top of its `taps`;
+- `exact`: the best exact formulation written plainly with torch ops (`raw_exact`: the
+  window's conv, or the chunk's own conv plus per-tap corrections), its halo at hand, with a
+  bare move of the halo bytes beside it, over the floor: what these kernels and this wire
+  allow; `dflt/exact`: the default over it (the library's own cost per step);
 - `sent / halo`: bytes the rank sent in all-to-alls per step over the halo bytes it owes
   (forward: its edge slices its neighbours need; backward: the gradients of the halo slices
   it received), 1.00: only halo bytes cross the wire;
@@ -60,6 +64,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from benchmarks import steady_allocator
 from haloshard import HaloParallel, HaloShard
+from haloshard._conv import halo_taps
 from haloshard._plan import exchange_plan
 from haloshard.testing import GlooWorld, shard, worker_mesh
 
@@ -190,6 +195,67 @@ def _peak_bytes(step: Callable[[], None]) -> int:
     return peak
 
 
+def _raw_halos(full: torch.Tensor, case: Case, rank: int, world: int, left: int, right: int
+               ) -> torch.Tensor:
+    """This rank's halo `[left ++ right]` along T, cut from the global input: its
+    neighbours' edge frames, zeros beyond the global ends (a causal wrapper: the first frame
+    repeated)."""
+    sizes = [shard(full, 2, world, r).shape[2] for r in range(world)]
+    start, end = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    if case.causal:
+        edge = full.narrow(2, 0, 1).expand(*full.shape[:2], left, *full.shape[3:])
+        padded = torch.cat([edge, full], 2)
+        return padded.narrow(2, start, left).contiguous()
+    widths = [0, 0] * (full.ndim - 3) + [left, right]
+    padded = F.pad(full, widths)
+    return torch.cat([padded.narrow(2, start, left),
+                      padded.narrow(2, end + left, right)], 2).contiguous()
+
+
+def _raw_tap(frame: torch.Tensor, weight: torch.Tensor, conv: nn.Module) -> torch.Tensor:
+    """One halo frame's contribution through one kernel tap (the weight's slice there):
+    the conv one dim down, the other dims' padding as the layer's."""
+    if frame.ndim == 2:  # conv1d: a matmul (groups 1) or a per-channel product (depthwise)
+        return frame @ weight.t() if conv.groups == 1 else frame * weight[:, 0]
+    fn = F.conv1d if frame.ndim == 3 else F.conv2d
+    return fn(frame, weight, padding=conv.padding[1:], groups=conv.groups)
+
+
+Raw = Callable[[torch.Tensor, torch.Tensor, Callable[[], object]], torch.Tensor]
+
+
+def raw_exact(case: Case, layer: nn.Module, left: int, right: int) -> dict[str, Raw]:
+    """The exact formulations written plainly with torch ops (no library: no planning, checks
+    or packing), `f(x, halos, arrived) -> this rank's output`, `arrived()` waiting for the
+    halo:
+    - `window`: the conv of `[left halo ++ chunk ++ right halo]` with no padding along T
+      (exchange first);
+    - `corrected` (centred): the chunk's own conv (the floor's) while the halo travels, then,
+      in place, each halo frame through each kernel tap that reads it.
+    With a bare move of the halo bytes beside them they are the best a library can do with
+    these kernels."""
+    conv = layer.conv if case.causal else layer
+    fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[conv.weight.ndim - 2]
+    no_pad_t = (0, *conv.padding[1:])
+
+    def window(x: torch.Tensor, h: torch.Tensor, arrived: Callable[[], object]
+               ) -> torch.Tensor:
+        arrived()
+        buf = torch.cat([h.narrow(2, 0, left), x, h.narrow(2, left, right)], 2)
+        return fn(buf, conv.weight, conv.bias, padding=no_pad_t, groups=conv.groups)
+
+    def corrected(x: torch.Tensor, h: torch.Tensor, arrived: Callable[[], object]
+                  ) -> torch.Tensor:
+        y = layer(x)
+        arrived()
+        for o, t, s in halo_taps(left, right, 1, case.k):
+            y.select(2, o if o >= 0 else y.shape[2] + o).add_(
+                _raw_tap(h.select(2, s), conv.weight.select(2, t), conv))
+        return y
+
+    return {"window": window} if case.causal else {"window": window, "corrected": corrected}
+
+
 def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     case = Case(*fields)
@@ -239,8 +305,31 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
         y.backward()
         work.wait()
 
+    halos = _raw_halos(full, case, rank, world, left, right)
+    raws = raw_exact(case, floor_layer, left, right)
+
+    def raw_move(formulation: Raw) -> Callable[[], None]:
+        def step() -> None:
+            """A plain exact formulation with a bare move of the halo bytes beside it, and of
+            their gradients beside its backward (started before it: a lower bound)."""
+            work = dist.all_to_all_single(halo_recv, halo_send, received, sent, async_op=True)
+            x, h = local.detach().requires_grad_(), halos.detach().requires_grad_()
+            y = formulation(x, h, work.wait)
+            work = dist.all_to_all_single(grad_recv, grad_send, sent, received, async_op=True)
+            y.float().sum().backward()
+            work.wait()
+        return step
+
+    if case.dtype == torch.float32:  # the plain formulations are exact: same outputs
+        x = DTensor.from_local(local, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
+        expected = no_overlap(x).to_local()
+        for name, f in raws.items():
+            torch.testing.assert_close(f(local, halos, lambda: None), expected,
+                                       msg=f"raw {name} differs on {case.name}")
+
     steps = {"floor": floor, "default": through(default), "overlap": through(overlap),
-             "no overlap": through(no_overlap), "floor+move": floor_move}
+             "no overlap": through(no_overlap), "floor+move": floor_move,
+             **{f"raw {name}": raw_move(f) for name, f in raws.items()}}
     for step in steps.values():  # untimed: plans, buffers, first collectives, the heap
         step()
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -301,9 +390,9 @@ def main(argv: list[str] | None = None) -> None:
           "DTensor")
     print(f"{'shape':<36} {'default':>8} {'overlap':>8} {'no ovl':>8} {'chose':>6} "
           f"{'chosen/best':>11} {'in limit':>8} {'dflt/chsn':>9} {'taps':>6} {'fl+mv':>6} "
-          f"{'sent/halo':>10} {'meta':>5} {'peak/floor':>11} {'pk ovl':>7} {'pk xf':>6} "
-          f"{'limit':>6}")
-    worst = worst_best = worst_fit = ("", 0.0)
+          f"{'exact':>6} {'dflt/exact':>10} {'sent/halo':>10} {'meta':>5} {'peak/floor':>11} "
+          f"{'pk ovl':>7} {'pk xf':>6} {'limit':>6}")
+    worst = worst_best = worst_fit = worst_exact = ("", 0.0)
     with GlooWorld(args.ranks, timeout=3600) as gloo:
         for case in cases:
             ranks = gloo.run(rank_case, tuple(case), args.iters, args.device)
@@ -327,6 +416,12 @@ def main(argv: list[str] | None = None) -> None:
             best_fit = min(fit, key=lambda n: ratio(n, "floor"))
             cost_fit = (1.0 if chose == best_fit or case.causal
                         else ratio(chose, "floor") / ratio(best_fit, "floor"))
+            raws = [n for n in ranks[0]["ms"] if n.startswith("raw ")]
+            best_raw = min(raws, key=lambda n: ratio(n, "floor"))
+            exact = ratio(best_raw, "floor")
+            # the library's default over the best plain formulation, paired round by round
+            over_exact = ratio("default", best_raw)
+            worst_exact = max(worst_exact, (case.name, over_exact), key=lambda w: w[1])
             worst = max(worst, (case.name, default), key=lambda w: w[1])
             worst_best = max(worst_best, (case.name, cost), key=lambda w: w[1])
             worst_fit = max(worst_fit, (case.name, cost_fit), key=lambda w: w[1])
@@ -335,12 +430,14 @@ def main(argv: list[str] | None = None) -> None:
                   f"{cost_fit:>8.3f} "
                   f"{ratio('default', chose):>9.3f} "
                   f"{case.taps(args.ranks):>6.3f} {ratio('floor+move', 'floor'):>6.3f} "
+                  f"{exact:>6.3f} {over_exact:>10.3f} "
                   f"{max(r['sent'] for r in ranks):>10.2f} "
                   f"{max(r['meta'] for r in ranks):>5} {peak:>11.3f} {peak_ovl:>7.3f} "
                   f"{peak_xf:>6.3f} {limit:>6.3f}")
     print(f"worst default / floor: {worst[1]:.3f} ({worst[0]}); worst chosen / best: "
           f"{worst_best[1]:.3f} ({worst_best[0]}); worst chosen / best within the memory "
-          f"limit: {worst_fit[1]:.3f} ({worst_fit[0]})")
+          f"limit: {worst_fit[1]:.3f} ({worst_fit[0]}); worst default / best plain exact: "
+          f"{worst_exact[1]:.3f} ({worst_exact[0]})")
 
 
 if __name__ == "__main__":
