@@ -329,10 +329,9 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
             torch.testing.assert_close(f(local, halos, lambda: None), expected,
                                        msg=f"raw {name} differs on {case.name}")
 
-    raw_names = [f"raw {name}" for name in raws]
+    raw_steps = {f"raw {name}": raw_move(f) for name, f in raws.items()}
     steps = {"floor": floor, "default": through(default), "overlap": through(overlap),
-             "no overlap": through(no_overlap), "floor+move": floor_move,
-             **{f"raw {name}": raw_move(f) for name, f in raws.items()}}
+             "no overlap": through(no_overlap), "floor+move": floor_move, **raw_steps}
     for step in steps.values():  # untimed: plans, buffers, first collectives, the heap
         step()
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -350,7 +349,7 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
     # this rank received, back to their owners
     halo = (sum(plan.send_splits) + sum(plan.recv_splits)) * slice_bytes
     peaks = {name: _peak_bytes(steps[name])
-             for name in ("floor", "default", "overlap", "no overlap", *raw_names)}
+             for name in ("floor", "default", "overlap", "no overlap", *raw_steps)}
     return {"ms": times,
             "sent": count.sent / halo if halo else float("nan"), "meta": count.meta,
             "peak": peaks, "halo": (left + right) * slice_bytes,

@@ -674,9 +674,7 @@ def _window(site: _Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse
     start, length, zeros = _pick(rank, plan.win_start, plan.win_len, plan.win_zeros)
     # A window that is the whole exchanged buffer stays as it is: a narrow() view's backward
     # would write the buffer's gradient whole (zeros, then a copy) before the exchange's own.
-    if not (isinstance(start, int) and isinstance(length, int) and start == 0
-            and length == x.shape[dim]):
-        x = x.narrow(dim, start, length)
+    x = _narrowed(x, dim, start, length)
     # Symbolic per-rank counts (LocalTensorMode) cannot be tested; padding by 0 is harmless.
     if isinstance(zeros, torch.SymInt) or zeros:
         x = F.pad(x, [0, 0] * (x.ndim - 1 - dim) + [0, zeros])
@@ -713,10 +711,16 @@ def _output(y: torch.Tensor, site: _Site, plan: WindowPlan, annotation: Annotati
     start, length = _pick(rank, plan.out_start, plan.out_len)
     # Keep the module's own output when it is already the chunk: a narrow() view would make
     # an in-place op on it drop FSDP2's pre-backward hook.
-    if not (isinstance(start, int) and isinstance(length, int) and start == 0
-            and length == y.shape[dim]):
-        y = y.narrow(dim, start, length)
-    return rewrap(y, site, dim, plan.out_length)
+    return rewrap(_narrowed(y, dim, start, length), site, dim, plan.out_length)
+
+
+def _narrowed(t: torch.Tensor, dim: int, start: Any, length: Any) -> torch.Tensor:
+    """`t.narrow(dim, start, length)`, or `t` itself where that is all of it (a view would
+    add a node to autograd's graph; per-rank symbolic counts always narrow)."""
+    if (isinstance(start, int) and isinstance(length, int) and start == 0
+            and length == t.shape[dim]):
+        return t
+    return t.narrow(dim, start, length)
 
 
 def _several_output(y: Any, site: _Site, plans: list[tuple[int, int, WindowPlan]], *,
