@@ -423,8 +423,7 @@ def _by_taps(x: torch.Tensor, weight: torch.Tensor, args: _ConvArgs) -> bool:
     window's conv3d took 0.95 to 1.21; where oneDNN runs the window (C256 T2, C128 T8
     64x64, bf16) it stays: the taps took 1.04 to 1.33 of its time there."""
     length = x.shape[args.dim]
-    if (x.ndim != 5 or not isinstance(length, int) or length < 1 or args.spare
-            or not _comm.is_eager(x) or memory_format(x) != torch.contiguous_format):
+    if not taps_layout(x) or not isinstance(length, int) or length < 1 or args.spare:
         return False
     if length == 1:
         return True
@@ -432,6 +431,12 @@ def _by_taps(x: torch.Tensor, weight: torch.Tensor, args: _ConvArgs) -> bool:
     shape[args.dim] = length + args.reach
     return slow_window(x, shape, weight, args.stride, args.padding, args.dilation,
                        args.groups)
+
+
+def taps_layout(x: torch.Tensor) -> bool:
+    """A chunk whose window can be convolved tap by tap: a 5-D, contiguous, eager tensor
+    (the frames-first window is built for that layout)."""
+    return x.ndim == 5 and _comm.is_eager(x) and memory_format(x) == torch.contiguous_format
 
 
 def slow_window(x: torch.Tensor, shape: list[int], weight: torch.Tensor, stride: list[int],

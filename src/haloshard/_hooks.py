@@ -39,9 +39,9 @@ from haloshard._compat import (
     enabled_local_tensor_mode,
     maybe_run_for_local_tensor,
 )
-from haloshard._conv import halo_conv, slow_window
+from haloshard._conv import halo_conv, slow_window, taps_layout
 from haloshard._errors import HaloError
-from haloshard._exchange import Reuse, exchange, memory_format
+from haloshard._exchange import Reuse, exchange
 from haloshard._forward import (
     _HANDLE,
     HaloHandle,
@@ -472,7 +472,7 @@ def _taps_everywhere(module: nn.Module, site: _Site, plan: WindowPlan) -> bool:
     measured 0.19 to 0.86 of its time (`benchmarks.matrix`, the shapes it takes), with no
     trial at the first call, and in deterministic mode too (the rule reads only shapes)."""
     x = site.local
-    if x.ndim != 5 or not _comm.is_eager(x) or memory_format(x) != torch.contiguous_format:
+    if not taps_layout(x):
         return False
     along = site.dim - 2
     padded = module.padding_mode != "zeros"
