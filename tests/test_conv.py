@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from haloshard import HaloError, _conv, halo_conv
 from haloshard._conv import CORRECTED, SPLIT, WHOLE, _ConvArgs, halo_taps
@@ -48,6 +49,9 @@ CASES = [
     (5, 13, 3, 1, 1, 1, "replicate", 1, True, True),   # conv3d, replicate
     (4, 9, 3, 1, 1, 1, "reflect", 1, False, True),     # chunks as long as the reach
     (3, 7, 5, 1, 2, 2, "zeros", 1, True, True),        # reach 4: exchange first on 2+ ranks
+    # long chunks: halo gradients travel beside the chunk conv's backward (edge ranks;
+    # interior ones, twice the slices in transit, after it on 3+ ranks)
+    (4, 90, 3, 1, 1, 1, "zeros", 1, True, True),
     # 1-frame conv3d chunks (4 ranks; 3 ranks: 2, 1, 1) as one conv2d per tap (eager)
     (5, 4, 3, 1, 1, 1, "replicate", 1, True, True),
     (5, 5, 3, 2, 2, 2, "zeros", 2, True, False),       # dilated taps skip window frames
@@ -122,6 +126,68 @@ def _taps_ran(mesh: DeviceMesh, case: tuple) -> int:
     finally:
         _conv._taps_conv = original
     return len(calls)
+
+
+class _Order(TorchDispatchMode):
+    """The convolutions run inside, as `(name, length along T of their input)`, and the
+    all-to-alls issued, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int]] = []
+        self._a2a = dist.all_to_all_single
+
+    def __enter__(self) -> _Order:
+        def a2a(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.events.append(("all_to_all", 0))
+            return self._a2a(*args, **kwargs)
+        dist.all_to_all_single = a2a
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_to_all_single = self._a2a
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func._schema.name.split("::")[-1]
+        if name in ("convolution", "convolution_backward"):
+            x = args[0] if name == "convolution" else args[1]
+            self.events.append((name, x.shape[2] if x.ndim == 4 else 1))
+        return func(*args, **(kwargs or {}))
+
+
+def corrected_order(length: int) -> list[tuple[str, int]]:
+    """A conv2d (k3, zeros) on the chunk's own conv plus corrections, forward and backward,
+    checked against the single device; the convolutions and moves it ran, in order (from
+    its halo move: the single-device reference runs first)."""
+    mesh = worker_mesh(dist.get_world_size())
+    with _Order() as order:
+        assert case_conv(mesh, 4, length, 3, 1, 1, 1, "zeros", 1, True, True) == (
+            "_CorrectedConvBackward")
+    return order.events[order.events.index(("all_to_all", 0)):]
+
+
+@pytest.mark.gloo
+def test_corrected_skips_zero_padding_and_sends_early(gloo) -> None:
+    """On 2 ranks each chunk has one neighbour: its other halo side is zero padding, whose
+    correction is skipped (one per direction, not two). A chunk at least 10 times the slices
+    in transit sends its halo gradients before the chunk conv's backward (they travel beside
+    it); a shorter one after it (their buffers would sit beside that backward's)."""
+    for length, early in ((90, True), (13, False)):
+        for rank, events in enumerate(gloo(2).run(corrected_order, length)):
+            chunk = len(shard(torch.empty(length), 0, 2, rank))
+            # forward: the halo move, the chunk conv, one correction (one halo frame)
+            assert events[:3] == [("all_to_all", 0), ("convolution", chunk),
+                                  ("convolution", 1)], events
+            # backward: the correction's input and weight gradients, the chunk conv's, and
+            # the halo gradients' move before the chunk conv's backward or after it
+            backward = events[3:]
+            assert sorted(backward) == sorted([("all_to_all", 0), ("convolution_backward", 1),
+                                               ("convolution_backward", 1),
+                                               ("convolution_backward", chunk)]), events
+            sent_first = (backward.index(("all_to_all", 0))
+                          < backward.index(("convolution_backward", chunk)))
+            assert sent_first == early, (length, events)
 
 
 @pytest.mark.gloo

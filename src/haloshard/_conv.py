@@ -4,10 +4,12 @@ With the halo in flight, each rank runs the conv a single device would run on it
 the same call, zero padding `p = left = right` along `dim` (same kernel, same FLOPs). Once
 the halo arrives, the outputs that read it get boundary corrections added in place: for
 output `o` and tap `j` whose input lies in the halo, the conv of that one halo slice with
-the weight's slice at tap `j` (kernel 1 along `dim`, no bias). Backward is the chunk conv's
-own backward, then the corrections' adjoints; the halo gradients travel back to their owners
-while the corrections' weight gradients are computed. Beside the chunk conv's own memory,
-forward and backward, this keeps only the halo (and, in forward, its transport buffers).
+the weight's slice at tap `j` (kernel 1 along `dim`, no bias); a halo slice that is zero
+padding (a global edge) has none. Backward is the chunk conv's own backward and the
+corrections' adjoints; the halo gradients travel back to their owners beside the chunk conv's
+backward on long chunks, after it on short ones (while the corrections' weight gradients are
+computed). Beside the chunk conv's own memory, forward and backward, this keeps the halo and
+its transport buffers.
 
 Halos of unequal sides (causal) cannot be a conv's own padding: their outputs are split into
 an interior conv and two thin edge windows, concatenated. Chunks shorter than the kernel's
@@ -144,7 +146,7 @@ class _CorrectedConv(torch.autograd.Function):
         moved = move.start(x)
         y = args.conv(x, weight, bias, args.own_padding)
         halo = _halo(x, move, moved, args)
-        corrections = _corrections(args, weight, x.shape[args.dim])
+        corrections = _corrections(args, weight, x.shape[args.dim], move.zero_slots(x, 0))
         corrections.add(y, halo, weight)
         ctx.save_for_backward(x, weight, halo)
         ctx.move, ctx.args, ctx.corrections = move, args, corrections
@@ -156,19 +158,39 @@ class _CorrectedConv(torch.autograd.Function):
         x, weight, halo = ctx.saved_tensors
         args, move, mask = ctx.args, ctx.move, tuple(ctx.needs_input_grad[:3])
         corrections = ctx.corrections
-        # The chunk conv's backward first, exactly the floor's, with nothing of ours beside
-        # it but the halo; then the corrections', while the halo gradients travel back.
+        # The chunk conv's backward is exactly the floor's. The halo gradients (small convs
+        # on the output gradient's edges) travel back to their owners beside it when their
+        # buffers are small next to the chunk (`_early`), else after it, while the
+        # corrections' weight gradients are computed. Every rank agrees on requires_grad
+        # (the exchange's agreement), so all or none of them send halo gradients back.
+        early = mask[0] and _early(move, x.shape[args.dim])
+        if early:
+            moved, g_own = move.start_backward(corrections.input_grad(grad, halo, weight), 0)
         g_x, g_w, g_b = args.full_backward(grad, x, weight, args.own_padding, mask,
                                            ctx.bias_sizes)
-        # Every rank agrees on requires_grad (the exchange's agreement), so all or none of
-        # them send halo gradients back.
-        if mask[0]:
+        if mask[0] and not early:
             moved, g_own = move.start_backward(corrections.input_grad(grad, halo, weight), 0)
         if mask[1]:
             corrections.add_weight_grad(g_w, grad, halo, weight)
         if mask[0]:
             move.fold(g_x, moved, g_own)
         return g_x, g_w, g_b, None, None
+
+
+# Halo gradients travel during the chunk conv's backward when the slices in transit (sent
+# and received) are at most this share of the chunk's: their buffers then sit beside that
+# backward's own (the input, its gradient, the output gradient) within the memory target's
+# 5%. Otherwise they travel after it and only the halo is held beside it.
+_EARLY_SHARE = 0.1
+
+
+def _early(move: HaloMove, length: Any) -> bool:
+    """Whether the halo gradients can travel during the chunk conv's backward (see above)."""
+    route = move.route
+    rows = [*route.send_splits, *route.recv_splits, length]
+    if route.transport == "allgather" or not all(isinstance(n, int) for n in rows):
+        return False  # every rank's slices in transit; symbolic sizes (compiled, simulated)
+    return sum(rows[:-1]) <= _EARLY_SHARE * length
 
 
 def _halo(x: torch.Tensor, move: HaloMove, moved: Pending, args: _ConvArgs) -> torch.Tensor:
@@ -180,13 +202,15 @@ def _halo(x: torch.Tensor, move: HaloMove, moved: Pending, args: _ConvArgs) -> t
     return halo
 
 
-def _corrections(args: _ConvArgs, weight: torch.Tensor, length: Any) -> _FrameTaps | _EdgeWindows:
+def _corrections(args: _ConvArgs, weight: torch.Tensor, length: Any, zeros: frozenset[int]
+                 ) -> _FrameTaps | _EdgeWindows:
     """How the halo's contributions are computed: per tap on single frames for 2-D and 3-D
-    convs; for conv1d, whose one-position convs oneDNN runs slowly (a depthwise one costs
-    half the whole chunk's conv), one conv over both edges' zero-extended halos."""
+    convs, skipping the halo slices that are zero padding (`zeros`: a global edge); for
+    conv1d, whose one-position convs oneDNN runs slowly (a depthwise one costs half the
+    whole chunk's conv), one conv over both edges' zero-extended halos."""
     if weight.ndim == 3:
         return _EdgeWindows(args, length)
-    return _FrameTaps(args, args.taps(weight), length)
+    return _FrameTaps(args, tuple(t for t in args.taps(weight) if t[2] not in zeros), length)
 
 
 class _FrameTaps:
