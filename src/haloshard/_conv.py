@@ -178,9 +178,10 @@ class _CorrectedConv(torch.autograd.Function):
 
 
 # Halo gradients travel during the chunk conv's backward when the slices in transit (sent
-# and received) are at most this share of the chunk's: their buffers then sit beside that
-# backward's own (the input, its gradient, the output gradient) within the memory target's
-# 5%. Otherwise they travel after it and only the halo is held beside it.
+# and received, each an input frame) are at most this share of the chunk's slices. Their
+# buffers then sit beside that backward's own, which holds at least the chunk and its
+# gradient (twice the chunk's bytes), so they add at most 5% to its peak: the memory target
+# (the floor's peak plus the halo, plus 5%). Otherwise they travel after it.
 _EARLY_SHARE = 0.1
 
 
