@@ -34,6 +34,9 @@ from haloshard.testing import (
 
 TOL = {"atol": 1e-12, "rtol": 1e-12}
 # (ndim, T, kernel, dilation, left, right, pad, groups, bias, overlap)
+# Long chunks: halo gradients travel beside the chunk conv's backward (edge ranks; interior
+# ones, twice the slices in transit, after it on 3+ ranks).
+LONG = (4, 90, 3, 1, 1, 1, "zeros", 1, True, True)
 CASES = [
     (3, 17, 3, 1, 1, 1, "zeros", 1, True, True),
     (3, 17, 3, 1, 2, 0, "replicate", 1, True, True),   # causal
@@ -49,9 +52,7 @@ CASES = [
     (5, 13, 3, 1, 1, 1, "replicate", 1, True, True),   # conv3d, replicate
     (4, 9, 3, 1, 1, 1, "reflect", 1, False, True),     # chunks as long as the reach
     (3, 7, 5, 1, 2, 2, "zeros", 1, True, True),        # reach 4: exchange first on 2+ ranks
-    # long chunks: halo gradients travel beside the chunk conv's backward (edge ranks;
-    # interior ones, twice the slices in transit, after it on 3+ ranks)
-    (4, 90, 3, 1, 1, 1, "zeros", 1, True, True),
+    LONG,
     # 1-frame conv3d chunks (4 ranks; 3 ranks: 2, 1, 1) as one conv2d per tap (eager)
     (5, 4, 3, 1, 1, 1, "replicate", 1, True, True),
     (5, 5, 3, 2, 2, 2, "zeros", 2, True, False),       # dilated taps skip window frames
@@ -112,6 +113,7 @@ def on_gloo() -> set[str]:
     for transport in ("p2p", "allgather"):  # split and corrected over the other transports
         ran.add(case_conv(mesh, *CASES[1], transport=transport))
         ran.add(case_conv(mesh, *CASES[0], transport=transport))
+        ran.add(case_conv(mesh, *LONG, transport=transport))  # p2p: gradients sent early
     ran.add(case_conv(mesh, *CASES[0], path=SPLIT))  # equal halos, split on request
     ran.add(case_conv(mesh, *CASES[0], x_grad=False))  # no input gradient: none sent back
     return ran
