@@ -9,6 +9,8 @@ gradients are per-rank partial sums, summed over ranks before comparing (reorder
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -190,6 +192,40 @@ def test_corrected_skips_zero_padding_and_sends_early(gloo) -> None:
             sent_first = (backward.index(("all_to_all", 0))
                           < backward.index(("convolution_backward", chunk)))
             assert sent_first == early, (length, events)
+
+
+def fuzz_corrected(seed: int, count: int) -> list[str]:
+    """`count` random centred convs on real ranks (eager tensors: the corrections skip zero
+    padding and long chunks send their halo gradients early): 2-D and 3-D, kernel 2 to 5,
+    dilation 1 or 2, every edge mode, groups, bias, chunks from the reach to several times
+    the early threshold. Exact against one device; returns the backward nodes that ran."""
+    rng, mesh = random.Random(seed), worker_mesh(dist.get_world_size())
+    ran, original = [], _conv._early
+    _conv._early = lambda *args: ran.append(f"early {original(*args)}") or original(*args)
+    try:
+        _fuzz(rng, mesh, count, ran)
+    finally:
+        _conv._early = original
+    return ran
+
+
+def _fuzz(rng: random.Random, mesh: DeviceMesh, count: int, ran: list[str]) -> None:
+    for _ in range(count):
+        k, dilation = rng.choice([(3, 1), (5, 1), (3, 2), (2, 2)])
+        reach = dilation * (k - 1)
+        length = dist.get_world_size() * rng.choice([reach + 1, 3 * reach, 25, 45])
+        ran.append(case_conv(mesh, rng.choice([4, 5]), length, k, dilation, reach // 2,
+                             reach // 2, rng.choice(["zeros", "replicate", "reflect",
+                                                     "circular"]),
+                             rng.choice([1, 2, 4]), rng.random() < 0.5, True))
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_fuzz_corrected(gloo, world: int) -> None:
+    for ran in gloo(world).run(fuzz_corrected, world, 24):
+        assert ran.count("_CorrectedConvBackward") == 24, ran
+        assert "early True" in ran and "early False" in ran, ran  # both orders ran
 
 
 @pytest.mark.gloo
