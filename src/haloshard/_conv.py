@@ -188,10 +188,10 @@ _EARLY_SHARE = 0.1
 def _early(move: HaloMove, length: Any) -> bool:
     """Whether the halo gradients can travel during the chunk conv's backward (see above)."""
     route = move.route
-    rows = [*route.send_splits, *route.recv_splits, length]
-    if route.transport == "allgather" or not all(isinstance(n, int) for n in rows):
+    transit = [*route.send_splits, *route.recv_splits]
+    if route.transport == "allgather" or not all(isinstance(n, int) for n in (*transit, length)):
         return False  # every rank's slices in transit; symbolic sizes (compiled, simulated)
-    return sum(rows[:-1]) <= _EARLY_SHARE * length
+    return sum(transit) <= _EARLY_SHARE * length
 
 
 def _halo(x: torch.Tensor, move: HaloMove, moved: Pending, args: _ConvArgs) -> torch.Tensor:

@@ -467,12 +467,15 @@ class HaloMove:
         r = self.route
         return _plan_runs(r.group.rank, r.lengths, r.left, r.right, r.pad, gap, r.held)
 
-    def zero_slots(self, t: torch.Tensor, gap: int | None) -> frozenset[int]:
-        """Positions of the halo buffer `fill` leaves zero (zero padding beyond the global
-        edges), for plain eager tensors; empty otherwise (simulated ranks differ)."""
-        runs = self._runs(t, gap)
-        return frozenset() if runs is None else frozenset(
-            pos + i for pos, _, n in runs.zero for i in range(n))
+    def zero_slots(self, t: torch.Tensor, gap: int) -> frozenset[int]:
+        """Positions of a `left + gap + right` halo buffer that `fill` leaves zero (zero
+        padding beyond the global edges), for plain eager tensors; empty otherwise
+        (simulated ranks differ)."""
+        if not _comm.is_eager(t):
+            return frozenset()
+        r = self.route
+        plan = exchange_plan(r.group.rank, r.lengths, r.left, r.right, r.pad, r.held)
+        return frozenset(halo_fill(plan, gap).zero_pos)
 
     def start(self, x: torch.Tensor) -> _comm.Pending:
         """Start moving `x`'s edge slices to the ranks that need them."""
