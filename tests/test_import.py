@@ -9,6 +9,7 @@ it. The first `HaloShard` built installs the guards.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -60,3 +61,21 @@ def test_import_changes_nothing_in_torch() -> None:
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0 and "unchanged" in done.stdout, done.stderr[-3000:]
+
+
+def test_import_needs_only_torch_and_einops(tmp_path) -> None:
+    """A venv with only the declared dependencies has no numpy (torch does not require it): a
+    stand-in `numpy` package that fails to import, first on the path, plays that venv. Nothing
+    `import haloshard` pulls in may need numpy (torch's `tensor.debug` did)."""
+    fake = tmp_path / "numpy"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        'raise ModuleNotFoundError("No module named \'numpy\' (hidden)", name="numpy")\n')
+    code = ("import sys, haloshard\n"
+            "assert 'numpy' not in sys.modules or sys.modules['numpy'] is None\n"
+            "print(haloshard.__name__)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False, env=env)
+    assert done.returncode == 0 and "haloshard" in done.stdout, done.stderr[-3000:]

@@ -54,7 +54,6 @@ from torch.distributed import _local_tensor as _local
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import _dtensor_spec as _spec
 from torch.distributed.tensor import _op_schema as _schema
-from torch.distributed.tensor import debug as _debug
 from torch.utils import _pytree
 
 # Simulated ranks (`LocalTensorMode`, one process playing every rank):
@@ -78,8 +77,15 @@ TensorMeta = _spec.TensorMeta
 OpSchema = _schema.OpSchema
 OutputSharding = _schema.OutputSharding
 
-# Forgets sharding decisions torch cached for HaloShard inputs before the guards existed.
-clear_sharding_cache = _debug._clear_sharding_prop_cache
+
+
+def clear_sharding_cache() -> None:
+    """Forget sharding decisions torch cached for HaloShard inputs before the guards existed:
+    the Python propagator's cache and the C++ fast path's. What
+    `torch.distributed.tensor.debug._clear_sharding_prop_cache` does, without importing that
+    package (it pulls in numpy, which torch does not require, and the compiler)."""
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # type: ignore[attr-defined]
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 # The type of an aten operator overload (`aten.convolution.default`): the key of DTensor's
 # custom op handlers, in annotations.
