@@ -6,6 +6,8 @@ torch. Building the first `HaloShard` placement registers guards for DTensors th
 mishandle that placement silently.
 """
 
+__version__ = "0.1.0.dev0"  # the one place it is set: pyproject.toml reads it
+
 from haloshard._attention import attention, gather_along
 from haloshard._comm import set_timeout
 from haloshard._conv import halo_conv
