@@ -40,3 +40,15 @@ def test_relative_links_resolve(page: Path) -> None:
     local = [t for t in targets if "://" not in t]
     missing = [t for t in local if not (page.parent / t).exists()]
     assert not missing, f"{page.name}: broken links {missing}"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")),
+                         ids=lambda p: p.name)
+def test_notebooks_import_public_names_only(path: Path) -> None:
+    """A notebook is what a user copies from: no private module, of haloshard or of torch."""
+    nbformat = pytest.importorskip("nbformat")
+    code = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells
+                     if c.cell_type == "code")
+    modules = re.findall(r"^\s*(?:from|import)\s+([\w.]+)", code, flags=re.MULTILINE)
+    private = [m for m in modules if any(part.startswith("_") for part in m.split("."))]
+    assert not private, f"{path.name} imports private modules {private}"
