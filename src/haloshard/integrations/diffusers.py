@@ -850,7 +850,8 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
     gets its style, runs inside one, or is known to act per frame (containers,
     activations); any other is refused, since its own forward may read across T. The
     VAE's switches that change how `encode` / `decode` walk T (tiling, slicing, framewise
-    encoding or decoding: HunyuanVideo's default) must be off.
+    encoding or decoding: HunyuanVideo's default) must be off. An `.encoder` or `.decoder`
+    planned alone is for calling directly: only `plan_for(vae)` sees those switches.
 
     Args:
         module: `AutoencoderKLHunyuanVideo`, `AutoencoderKLCogVideoX`, `AutoencoderKLMochi`
