@@ -677,8 +677,9 @@ def _causal_conv(module: nn.Module) -> ParallelStyle:
 
 
 def _runs_children(module: nn.Module) -> None:
-    """A container: its own forward only calls its children in order, adds residuals and
-    applies activations, none of which reads across T (checked for diffusers 0.42.1)."""
+    """A module whose own forward reads no frame but its own: a block that calls its
+    children, adds residuals and applies activations; an elementwise activation; a VAE,
+    whose encode/decode switches `_check_flags` checks (diffusers 0.42.1, class by class)."""
     return None
 
 
@@ -835,7 +836,7 @@ def _check_flags(module: nn.Module) -> None:
                             f"planning ({off})")
 
 
-def _check_known(fqn: str, sub: nn.Module, model: str) -> None:
+def _refuse_unknown(fqn: str, sub: nn.Module, model: str) -> None:
     own = [n for n, _ in sub.named_parameters(recurse=False)]
     has = f"has parameters {own}" if own else "has no parameters but its own forward"
     raise HaloError(f"{fqn or '<root>'} ({type(sub).__name__}) {has}, and the {model} plan "
@@ -886,7 +887,7 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
             continue
         rule = rules.get(type(sub).__name__)
         if rule is None:
-            _check_known(fqn, sub, type(module).__name__)
+            _refuse_unknown(fqn, sub, type(module).__name__)
             continue
         style = rule[0](sub)
         if style is not None:
