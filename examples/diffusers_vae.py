@@ -42,11 +42,14 @@ from haloshard.testing import GlooWorld, shard, worker_mesh
 def hunyuan(channels: int) -> nn.Module:
     from diffusers import AutoencoderKLHunyuanVideo
 
-    return AutoencoderKLHunyuanVideo(
+    vae = AutoencoderKLHunyuanVideo(
         latent_channels=4, block_out_channels=(channels,) * 3, layers_per_block=1,
         down_block_types=("HunyuanVideoDownBlock3D",) * 3,
         up_block_types=("HunyuanVideoUpBlock3D",) * 3, norm_num_groups=4,
         spatial_compression_ratio=4, temporal_compression_ratio=4)
+    # on by default: long clips would be encoded and decoded in blended temporal tiles
+    vae.use_framewise_encoding = vae.use_framewise_decoding = False
+    return vae
 
 
 def cogvideox(channels: int) -> nn.Module:

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.hooks import RemovableHandle
 
-from haloshard import _comm
+from haloshard import _comm, _guard
 from haloshard._errors import HaloError, named
 
 _HANDLE = "_haloshard_handle"
@@ -164,6 +164,7 @@ class HaloHandle:
         self._module: nn.Module | None = module
         self._saved, self._forward = saved, forward
         self._hooks: list[RemovableHandle] = []
+        _guard.register()  # a planned model's uncovered layers get named (see _guard)
 
     @property
     def attached(self) -> bool:

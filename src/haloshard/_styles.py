@@ -32,6 +32,7 @@ from haloshard._hooks import (
     attach,
     resolve,
 )
+from haloshard._layer_styles import GroupNormParallel
 from haloshard._layout import HaloShard
 from haloshard._specs import _CONVS, _TRANSPOSED, DERIVABLE, Stencil, is_stencil, spatial_index
 
@@ -126,49 +127,111 @@ def _has_kernel_along(module: nn.Module, dim: int) -> bool:
     return True
 
 
+# Norms whose statistics run over the sharded dim (GroupNorm has a style: include_norms=).
+_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d,
+          nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+          nn.LazyBatchNorm3d, nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d,
+          nn.LazyInstanceNorm3d, nn.LocalResponseNorm, nn.CrossMapLRN2d)
+# Parameter-free layers that read along every spatial dim with no halo haloshard derives.
+_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+          nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.LPPool1d,
+          nn.LPPool2d, nn.LPPool3d, nn.MaxUnpool1d, nn.MaxUnpool2d, nn.MaxUnpool3d,
+          nn.FractionalMaxPool2d, nn.FractionalMaxPool3d)
+
+
+def _uncovered(module: nn.Module, dim: int) -> str | None:
+    """Why `module`, left out of a plan, would not run right on a `Shard(dim)` input, or
+    None: statistics or a kernel along dim (wrong values on a plain chunk), or parameters
+    (a raw DTensor error on a DTensor input)."""
+    if isinstance(module, nn.GroupNorm):
+        return "statistics along the sharded dim (include_norms=True plans it)"
+    if isinstance(module, _NORMS):
+        return "statistics along the sharded dim"
+    if isinstance(module, DERIVABLE) and _has_kernel_along(module, dim):
+        return "a kernel along the sharded dim (HaloParallel() derives its halo)"
+    if isinstance(module, _POOLS):
+        return "pooling along the sharded dim"
+    own = [name for name, _ in module.named_parameters(recurse=False)]
+    return f"parameters {own}" if own else None
+
+
 def halo_plan(
     model: nn.Module,
     *,
     dim: int = 2,
     include_convs: bool = False,
+    include_norms: bool = False,
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-) -> dict[str, HaloParallel]:
+) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan for every annotated module of `model`.
 
     With `include_convs=True` it also covers every conv and transposed conv with a kernel
     dim at `dim` (kernel 1 included: DTensor's own conv would mislabel a `Shard(dim)`
-    output as `Replicate`). Modules inside an annotated module are left to it. Each entry
-    is validated here, once.
+    output as `Replicate`), and checks that nothing is left that the plan cannot run: a
+    module outside the plan with statistics along `dim` (a norm), a kernel or pooling along
+    it, or parameters of its own raises `HaloError` naming every such module by fqn (a
+    module `module_filter_fn` rejects is the caller's to plan). With `include_norms=True`
+    every `nn.GroupNorm` gets `GroupNormParallel` (exact global statistics). Modules inside
+    an annotated module are left to it. Each entry is validated here, once.
 
     Args:
         model: the model.
         dim: the sharded dim (annotations keep their own).
-        include_convs: also plan the convs that carry no annotation.
-        module_filter_fn: `fn(module, fqn) -> bool`; False leaves the module out.
+        include_convs: also plan the convs that carry no annotation, and check the rest.
+        include_norms: also plan every `nn.GroupNorm`.
+        module_filter_fn: `fn(module, fqn) -> bool`; False leaves the module out (and to
+            the caller).
 
     Returns:
-        `{fqn: HaloParallel(spec, dim=...)}`, in `model.named_modules()` order.
+        `{fqn: style}` (`HaloParallel(spec, dim=...)`, `GroupNormParallel(dim=...)`), in
+        `model.named_modules()` order.
+
+    Raises:
+        HaloError: for an entry that does not fit its module, or (with `include_convs`)
+            modules the plan leaves uncovered, named by fqn.
 
     Example::
         >>> halo_plan(nn.Sequential(nn.Conv3d(3, 8, 3, padding=1)), include_convs=True)
         {'0': HaloParallel(spec=None, dim=2)}
+        >>> halo_plan(nn.Sequential(nn.Conv3d(3, 8, 3), nn.GroupNorm(2, 8)),
+        ...           include_convs=True, include_norms=True)
+        {'0': HaloParallel(spec=None, dim=2), '1': GroupNormParallel(dim=2)}
     """
-    plan: dict[str, HaloParallel] = {}
+    plan: dict[str, ParallelStyle] = {}
     covered: list[str] = []
+    uncovered: list[str] = []
     for fqn, module in model.named_modules():
         if any(fqn.startswith(f"{outer}.") or outer == "" for outer in covered):
             continue
-        note = annotation_of(module)
-        wanted = note is not None or (include_convs and isinstance(module, _PLAIN_CONVS)
-                                      and _has_kernel_along(module, dim))
-        if not wanted or (module_filter_fn is not None and not module_filter_fn(module, fqn)):
-            continue
-        spec, at = (note.spec, note.dim) if note is not None else (None, dim)
-        resolve(module, spec, dim=at)
-        plan[fqn] = HaloParallel(spec, dim=at)
-        if note is not None and not isinstance(module, DERIVABLE):
-            covered.append(fqn)
+        kept = module_filter_fn is None or module_filter_fn(module, fqn)
+        style = _entry(module, dim, include_convs, include_norms) if kept else None
+        if style is not None:
+            plan[fqn] = style
+            note = annotation_of(module)
+            if note is not None and not isinstance(module, DERIVABLE):
+                covered.append(fqn)
+        elif kept and include_convs and (why := _uncovered(module, dim)) is not None:
+            uncovered.append(f"{fqn or '<root>'} ({type(module).__name__}: {why})")
+    if uncovered:
+        raise HaloError(f"halo_plan leaves {len(uncovered)} module(s) that touch the sharded "
+                        f"dim {dim} uncovered: {'; '.join(uncovered)}. Plan them yourself and "
+                        "leave them out with module_filter_fn, or annotate them")
     return plan
+
+
+def _entry(module: nn.Module, dim: int, include_convs: bool, include_norms: bool
+           ) -> ParallelStyle | None:
+    """`module`'s plan entry, validated, or None."""
+    note = annotation_of(module)
+    if note is not None:
+        resolve(module, note.spec, dim=note.dim)
+        return HaloParallel(note.spec, dim=note.dim)
+    if include_convs and isinstance(module, _PLAIN_CONVS) and _has_kernel_along(module, dim):
+        resolve(module, None, dim=dim)
+        return HaloParallel(None, dim=dim)
+    if include_norms and isinstance(module, nn.GroupNorm):
+        return GroupNormParallel(dim=dim)
+    return None
 
 
 def halo_handles(model: nn.Module) -> dict[str, HaloHandle]:

@@ -33,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from haloshard import _comm
 from haloshard._attention import gather_along
 from haloshard._errors import HaloError
+from haloshard._guard import is_mixed, missing_entry
 from haloshard._hooks import LocalChunk
 from haloshard.testing import per_rank, rank_map, seeded_randn, shard, single_device
 
@@ -390,10 +391,20 @@ def verify_plan(
     except Exception as exc:
         at = rec.stack[-1] if rec.stack else None
         rec.remove()
-        return PlanReport((), (), (), atol, rtol, f"{type(exc).__name__}: {exc}", at)
+        return PlanReport((), (), (), atol, rtol, _error_text(exc, twin, at), at)
     rec.remove()
     return _report(ref, rec, (ref_gx, local, dim, axis, mesh, example_input.shape[dim]),
                    ref_grads, twin, cp, atol, rtol)
+
+
+def _error_text(exc: Exception, twin: nn.Module, at: str | None) -> str:
+    """What the sharded run raised; DTensor's mixed-tensor error names the module that ran
+    it and its missing plan entry (`at` is a recorder key: `fqn#k` for a later call)."""
+    if not is_mixed(exc) or at is None:
+        return f"{type(exc).__name__}: {exc}"
+    fqn = at.split("#")[0]
+    raw = getattr(exc, "_haloshard", {}).get("raw", str(exc))
+    return missing_entry(fqn, twin.get_submodule(fqn), raw)
 
 
 def _report(ref: _Recorder, rec: _Recorder, inp: tuple[Any, ...], ref_grads: dict[str, Any],

@@ -11,16 +11,19 @@ tests/test_diffusers.py):
   `cogvideox_decode(vae, z)` compute exactly with T sharded;
 - `AutoencoderKLMochi`: encoder and decoder, causal attention along T per pixel;
 - `AutoencoderKLLTXVideo`: the 0.9.0 configuration, residual upsamplers with any
-  `upsample_factor`, and timestep conditioning (0.9.1+: per-sample tables on the decoder
-  and its resnets, `ReplicatedArgsParallel`); noise injection raises `HaloError`.
+  `upsample_factor`, timestep conditioning (0.9.1+: per-sample tables on the decoder
+  and its resnets, `ReplicatedArgsParallel`), and 0.9.5/0.9.7's encoder downsamplers
+  (`LTXDownsamplerParallel`, `haloshard.integrations._ltx`); noise injection raises
+  `HaloError`.
 - `AutoencoderKLWan` (Wan 2.1): `wan_encoder_plan(vae)` with `wan_encode(vae, x)`, and
   `wan_decoder_plan(vae)` with `wan_decode(vae, z)` (`haloshard.integrations._wan`,
   re-exported here) give exactly `vae._encode`'s chunk loop (T = 1 + 4k) and `vae._decode`'s
   frame loop; `plan_for` refers Wan models there.
 
-Each plan covers every layer with parameters or a temporal extent, by class; a layer of a
-kind the plan does not know raises `HaloError` naming it by fqn, rather than being left to
-DTensor's default dispatch. The styles that only these models need live here:
+Each plan checks every layer by class, with or without parameters: a class it does not know
+raises `HaloError` naming the layer by fqn, rather than being left to DTensor's default
+dispatch; so does a VAE switch that changes how `encode` / `decode` walk T (tiling,
+slicing, framewise encoding or decoding). The styles that only these models need live here:
 
 - `HunyuanMidBlockParallel`: the mid-block builds a block-causal `(THW)^2` frame mask in its
   own forward and hands it to a diffusers `Attention`. The style runs the block's resnets
@@ -82,6 +85,7 @@ from haloshard._masked_attention import frame_attention
 from haloshard._norms import group_norm
 from haloshard._styles import HaloParallel
 from haloshard.integrations._cogvideox import cogvideox_decode, cogvideox_encode
+from haloshard.integrations._ltx import LTXDownsamplerParallel, SpaceToDepthStencil
 from haloshard.integrations._wan import (
     CachedUpStencil,
     cached_resample,
@@ -107,9 +111,11 @@ __all__ = [
     "MochiBlockParallel",
     "MochiUpBlockParallel",
     "LTXUpsamplerParallel",
+    "LTXDownsamplerParallel",
     "UpCausalStencil",
     "RepeatStencil",
     "ConvDepthToSpaceStencil",
+    "SpaceToDepthStencil",
 ]
 
 DIFFUSERS_VERSION = "0.42.1"
@@ -670,7 +676,29 @@ def _causal_conv(module: nn.Module) -> ParallelStyle:
     return CausalConvParallel(pad=_PAD[mode])  # type: ignore[arg-type]
 
 
+def _runs_children(module: nn.Module) -> None:
+    """A module whose own forward reads no frame but its own: a block that calls its
+    children, adds residuals and applies activations; an elementwise activation; a VAE,
+    whose encode/decode switches `_check_flags` checks (diffusers 0.42.1, class by class)."""
+    return None
+
+
+# containers and per-element layers every family uses
+_PASS: _Rule = (_runs_children, False)
+_GENERIC: dict[str, _Rule] = {name: _PASS for name in (
+    "ModuleList", "Sequential", "Identity", "Dropout", "SiLU", "GELU", "ReLU", "Mish", "Tanh",
+    "LeakyReLU")}
+
+
+def _passing(*names: str) -> dict[str, _Rule]:
+    return {**_GENERIC, **{name: _PASS for name in names}}
+
+
 _HUNYUAN: dict[str, _Rule] = {
+    **_passing("AutoencoderKLHunyuanVideo", "HunyuanVideoEncoder3D", "HunyuanVideoDecoder3D",
+               "HunyuanVideoDownBlock3D", "HunyuanVideoUpBlock3D",
+               "HunyuanVideoResnetBlockCausal3D",
+               "HunyuanVideoDownsampleCausal3D"),  # calls its strided causal conv only
     "HunyuanVideoCausalConv3d": (_causal_conv, True),
     "HunyuanVideoUpsampleCausal3D": (lambda m: HunyuanUpsampleParallel(), True),
     "HunyuanVideoMidBlock3D": (lambda m: HunyuanMidBlockParallel(), False),
@@ -701,6 +729,9 @@ def _cog_resample(module: nn.Module) -> ParallelStyle:
 
 
 _COGVIDEOX: dict[str, _Rule] = {
+    **_passing("AutoencoderKLCogVideoX", "CogVideoXEncoder3D", "CogVideoXDecoder3D",
+               "CogVideoXDownBlock3D", "CogVideoXUpBlock3D", "CogVideoXMidBlock3D",
+               "CogVideoXResnetBlock3D"),
     "CogVideoXCausalConv3d": (_cog_causal_conv, True),
     "CogVideoXDownsample3D": (_cog_resample, True),
     "CogVideoXUpsample3D": (_cog_resample, True),
@@ -710,6 +741,8 @@ _COGVIDEOX: dict[str, _Rule] = {
 }
 
 _MOCHI: dict[str, _Rule] = {
+    **_passing("AutoencoderKLMochi", "MochiEncoder3D", "MochiDecoder3D",
+               "MochiResnetBlock3D"),
     "CogVideoXCausalConv3d": (_cog_causal_conv, True),
     "MochiChunkedGroupNorm3D": (lambda m: LocalParallel(), True),
     "MochiDownBlock3D": (lambda m: MochiBlockParallel(), False),
@@ -728,14 +761,33 @@ def _timestep_conditioned(module: nn.Module, name: str) -> ParallelStyle | None:
     return ReplicatedArgsParallel() if getattr(module, name, None) is not None else None
 
 
+def _ltx_patches(module: nn.Module) -> None:
+    """The encoder's patchify and the decoder's unpatchify fold `patch_size_t` frames into
+    channels in their own forward: only 1 keeps T apart."""
+    if module.patch_size_t != 1:
+        raise HaloError(f"{type(module).__name__} with patch_size_t={module.patch_size_t} "
+                        "folds frames into channels in its own forward; planned with "
+                        "patch_size_t=1 only")
+
+
+def _ltx_decoder(module: nn.Module) -> ParallelStyle | None:
+    _ltx_patches(module)
+    return _timestep_conditioned(module, "time_embedder")
+
+
 _LTX: dict[str, _Rule] = {
+    **_passing("AutoencoderKLLTXVideo", "LTXVideoDownBlock3D", "LTXVideo095DownBlock3D",
+               "LTXVideoMidBlock3d", "LTXVideoUpBlock3d"),
+    "LTXVideoEncoder3d": (_ltx_patches, False),
     "LTXVideoCausalConv3d": (_ltx_causal_conv, True),
     "LTXVideoUpsampler3d": (lambda m: LTXUpsamplerParallel(), True),
+    # 0.9.5/0.9.7's encoder: first frames repeated, then space-to-depth along T
+    "LTXVideoDownsampler3d": (lambda m: LTXDownsamplerParallel(), True),
     "RMSNorm": (lambda m: LocalParallel(dim=1), True),  # channels-last, per token
     "LayerNorm": (lambda m: LocalParallel(dim=1), True),
     # timestep conditioning (0.9.1+): per-sample scale and shift tables meet the frames in
     # the decoder's and resnets' own forwards; the timestep MLP has no T
-    "LTXVideoDecoder3d": (lambda m: _timestep_conditioned(m, "time_embedder"), False),
+    "LTXVideoDecoder3d": (_ltx_decoder, False),
     "LTXVideoResnetBlock3d": (lambda m: _timestep_conditioned(m, "scale_shift_table"), False),
     "PixArtAlphaCombinedTimestepSizeEmbeddings": (lambda m: None, True),
 }
@@ -764,8 +816,43 @@ def _pointwise(module: nn.Module) -> ParallelStyle:
     return LocalParallel()
 
 
+# The VAE's own switches that change how `encode` / `decode` walk T, and how to turn each off.
+_FLAGS = {
+    "use_tiling": "disable_tiling(): spatial tiles would each be sharded on their own",
+    "use_slicing": "disable_slicing(): batch slices would each be sharded on their own",
+    "use_framewise_encoding": "vae.use_framewise_encoding = False: encode() of a clip longer "
+                              "than tile_sample_min_num_frames would run overlapping "
+                              "temporal tiles blended at their seams, not the sharded clip",
+    "use_framewise_decoding": "vae.use_framewise_decoding = False: decode() (and LTX's "
+                              "encode()) of a long clip would run overlapping temporal tiles "
+                              "blended at their seams, not the sharded clip",
+}
+
+
+def _check_flags(module: nn.Module) -> None:
+    for name, off in _FLAGS.items():
+        if getattr(module, name, False):
+            raise HaloError(f"{type(module).__name__}.{name} is on; turn it off before "
+                            f"planning ({off})")
+
+
+def _refuse_unknown(fqn: str, sub: nn.Module, model: str) -> None:
+    own = [n for n, _ in sub.named_parameters(recurse=False)]
+    has = f"has parameters {own}" if own else "has no parameters but its own forward"
+    raise HaloError(f"{fqn or '<root>'} ({type(sub).__name__}) {has}, and the {model} plan "
+                    "does not know its class: a layer that reads across T would run "
+                    "DTensor's default dispatch (the whole clip gathered, or an error)")
+
+
 def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of a diffusers video VAE, encoder or decoder.
+
+    Every module is checked by class, with or without parameters: a class the plan knows
+    gets its style, runs inside one, or is known to act per frame (containers,
+    activations); any other is refused, since its own forward may read across T. The
+    VAE's switches that change how `encode` / `decode` walk T (tiling, slicing, framewise
+    encoding or decoding: HunyuanVideo's default) must be off. An `.encoder` or `.decoder`
+    planned alone is for calling directly: only `plan_for(vae)` sees those switches.
 
     Args:
         module: `AutoencoderKLHunyuanVideo`, `AutoencoderKLCogVideoX`, `AutoencoderKLMochi`
@@ -775,8 +862,8 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
         `{fqn: style}` for every layer that needs one, relative to `module`.
 
     Raises:
-        HaloError: for an unsupported class, or a layer with parameters that the plan does
-            not know (named by fqn).
+        HaloError: for an unsupported class, a switch that is on (named, with how to turn
+            it off), or a layer the plan does not know (named by fqn).
 
     Example::
         >>> plan = plan_for(vae.decoder)
@@ -792,11 +879,7 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
     if rules is None:
         raise HaloError(f"no haloshard plan for {type(module).__name__}; supported: "
                         f"{sorted(_PLANS)} (diffusers=={DIFFUSERS_VERSION})")
-    for name in ("use_tiling", "use_slicing"):
-        if getattr(module, name, False):
-            raise HaloError(f"{type(module).__name__}.{name} is on; disable it "
-                            f"(disable_tiling()/disable_slicing()): tiles would be sharded "
-                            "on their own")
+    _check_flags(module)
     plan: dict[str, ParallelStyle] = {}
     covered: list[str] = []
     for fqn, sub in module.named_modules():
@@ -804,10 +887,7 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
             continue
         rule = rules.get(type(sub).__name__)
         if rule is None:
-            own = [n for n, _ in sub.named_parameters(recurse=False)]
-            if own:
-                raise HaloError(f"{fqn} ({type(sub).__name__}) has parameters {own} but the "
-                                f"{type(module).__name__} plan does not know its class")
+            _refuse_unknown(fqn, sub, type(module).__name__)
             continue
         style = rule[0](sub)
         if style is not None:
@@ -817,4 +897,3 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
         elif rule[1]:  # names of children the style runs itself
             covered.extend(f"{fqn}.{child}" for child in rule[1])
     return plan
-
