@@ -100,5 +100,6 @@ def test_wheel_metadata(tmp_path: Path) -> None:
         dist_info = f"haloshard-{haloshard.__version__}.dist-info"
         metadata = zf.read(f"{dist_info}/METADATA").decode()
     assert f"{dist_info}/licenses/LICENSE" in names
+    assert "haloshard/py.typed" in names  # PEP 561: type checkers read the package's hints
     assert f"Version: {haloshard.__version__}" in metadata
     assert not [n for n in names if n.startswith("tests/")]
