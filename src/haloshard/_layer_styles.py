@@ -447,9 +447,10 @@ class AttentionParallel(LocalParallel):
     mask, dropout or causal flag) is replaced by attention of the local queries over the
     keys and values all-gathered along T (as `haloshard.gather_along` does). The block must order
     tokens as `(t h w)` with t outermost (the usual `b c t h w -> b (t h w) c`); a GroupNorm
-    inside it needs its own `GroupNormParallel` entry (an un-planned one raises), and where
-    a rank may hold no frame (torch.chunk splits: T=9 on 4 ranks is 3, 3, 3, 0) its convs
-    need `LocalParallel` entries (a conv refuses an empty input). Exact, forward and
+    inside it needs its own `GroupNormParallel` entry (an un-planned one raises). A rank that
+    holds no frame (torch.chunk splits: T=9 on 4 ranks is 3, 3, 3, 0) runs the block on one
+    zero frame (its convs and `view(b, c, -1)` refuse an empty input), which gives no keys,
+    counts in no statistic of the styles inside it and is dropped. Exact, forward and
     backward (the backward of the gather is a reduce-scatter of dK and dV).
 
     Memory: every rank holds the full K and V of the block, `2 * B * T * H * W * C`

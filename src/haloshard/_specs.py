@@ -55,7 +55,7 @@ class Stencil(Protocol):
         pad: how a window is filled beyond the global ends (`zeros`, `replicate`, ...).
         fill: a value that replaces `pad` beyond the global ends (max pooling: -inf).
         min_input: the window length a rank that owns no output runs the module on (its
-            output is dropped; every rank stays in the same collectives).
+            output is dropped; every rank stays in the same collectives): an int >= 1.
 
     Methods:
         out_length(length): the layer's global output length for a global input length.
@@ -64,6 +64,12 @@ class Stencil(Protocol):
             the module's output on that window: `(i0, i1, offset)`.
         at_length(length) (optional): the stencil to use for a given global length, for a
             layer whose computation depends on it (`FirstFrameStencil(even=...)`).
+
+    Every rank asks for every rank's window, so an answer no module can compute (not ints,
+    `i1 <= i0`, a negative offset or output length) raises `HaloError` on every rank at
+    once; a user's stencil is also checked against the module's output on its windows at
+    the first call per input signature (one small gather): a window too short for the
+    outputs it promises raises on every rank too.
 
     Example::
         >>> ConvStencil(span=3, pad_left=2).window(4, 6)  # causal kernel 3: 2 frames back
