@@ -75,6 +75,18 @@ class FlatAttention(nn.Module):
         return x + self.proj(o.transpose(1, 2).reshape(b, c, t, h, w))
 
 
+class MixedAttention(FlatAttention):
+    """`FlatAttention` after a conv along T inside the block (a halo layer of its own;
+    replicate padding: a spare zero frame taken for frame 3 would show in frame 2)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels)
+        self.mix = nn.Conv3d(channels, channels, 3, padding=1, padding_mode="replicate")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.mix(x))
+
+
 class FrameNorm(nn.Module):
     """A per-frame block that folds T into the batch with `-1` (refuses 0 elements)."""
 
@@ -171,6 +183,10 @@ CASES: dict[str, tuple[Callable[[], nn.Module], dict[str, Any], tuple[int, ...]]
                    {"0": GroupNormParallel(), "1": LocalParallel()}, (2, 4, 3, 2, 2)),
     "attention": (lambda: FlatAttention(4),
                   {"": AttentionParallel(), "norm": GroupNormParallel()}, (1, 4, 3, 2, 2)),
+    # the block's spare frame is no frame of the conv's input (its global T stays 3)
+    "attention_with_halo": (lambda: MixedAttention(4),
+                            {"": AttentionParallel(), "norm": GroupNormParallel(),
+                             "mix": HaloParallel()}, (1, 4, 3, 2, 2)),
     "first_frame": (TimeDown, {"": FirstFrameParallel(2, "down", even="first")},
                     (1, 2, 3, 2, 2)),
     "causal_conv": (lambda: nn.Sequential(CausalConv(2, 1), CausalConv(2, 3),
