@@ -321,6 +321,40 @@ def test_plan_windows_checks_the_answers() -> None:
 
 
 @dataclass(frozen=True)
+class _ByLength(DepthToSpaceStencil):
+    """A stencil whose computation depends on the global length, answering `answer`."""
+
+    answer: str = ""
+
+    def at_length(self, length: int) -> Any:
+        if self.answer == "raises":
+            raise KeyError(length)
+        return {"int": length, "bad_min_input": DepthToSpaceStencil(min_input=-1)}.get(
+            self.answer, self)
+
+
+@pytest.mark.parametrize(("answer", "message"), [
+    ("int", r"_ByLength\(.*\)\.at_length\(7\) returned 7; expected a stencil"),
+    ("raises", r"_ByLength\(.*\)\.at_length\(7\) raised KeyError: 7"),
+    ("bad_min_input", r"DepthToSpaceStencil\(.*\) has min_input=-1; expected an int >= 1"),
+])
+def test_at_length_answers_are_checked(answer: str, message: str) -> None:
+    with pytest.raises(HaloError, match=message):
+        plan_windows(_ByLength(answer=answer), 7, 2)
+    assert plan_windows(_ByLength(), 7, 2).out_length == 14
+
+
+def test_annotate_checks_the_stencil() -> None:
+    """A stencil's attributes are checked when it is annotated, before any forward."""
+    from haloshard import annotate
+
+    with pytest.raises(HaloError, match=r"has min_input=0; expected an int >= 1"):
+        annotate(DepthToSpace(2), DepthToSpaceStencil(min_input=0))
+    with pytest.raises(HaloError, match=r"has min_input=True; expected an int >= 1"):
+        annotate(DepthToSpace(2), DepthToSpaceStencil(min_input=True))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
 class _OneBadWindow:
     """A length-keeping stencil whose window for the third rank's outputs is empty."""
 
