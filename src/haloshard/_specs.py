@@ -274,13 +274,23 @@ def _not_int(value: object) -> bool:
 def _asked(stencil: Stencil, method: str, *args: int) -> object:
     """`stencil.method(*args)`; an exception from the user's code becomes a HaloError
     naming the call (it raises on every rank alike: every rank asks the same)."""
-    call = f"{stencil!r}.{method}({', '.join(map(str, args))})"
     try:
         return getattr(stencil, method)(*args)
     except HaloError:
         raise
     except Exception as error:
-        raise HaloError(f"{call} raised {type(error).__name__}: {error}") from error
+        raise HaloError(f"{_call(stencil, method, args)} raised {type(error).__name__}: "
+                        f"{error}") from error
+
+
+def _call(stencil: Stencil, method: str, args: tuple[int, ...]) -> str:
+    # built only for a message: torch.compile traces the checks, not the reprs
+    return f"{stencil!r}.{method}({', '.join(str(a) for a in args)})"
+
+
+def _wrong(stencil: Stencil, method: str, args: tuple[int, ...], got: object,
+           expected: str) -> HaloError:
+    return HaloError(f"{_call(stencil, method, args)} returned {got!r}; expected {expected}")
 
 
 def stencil_at(stencil: Stencil, length: int) -> Stencil:
@@ -293,8 +303,8 @@ def stencil_at(stencil: Stencil, length: int) -> Stencil:
         return stencil
     found = _asked(stencil, "at_length", length)
     if not is_stencil(found):
-        raise HaloError(f"{stencil!r}.at_length({length}) returned {found!r}; expected a "
-                        "stencil (pad, fill, min_input, out_length, window)")
+        raise _wrong(stencil, "at_length", (length,), found,
+                     "a stencil (pad, fill, min_input, out_length, window)")
     check_stencil(found)  # type: ignore[arg-type]
     return found  # type: ignore[return-value]
 
@@ -308,8 +318,7 @@ def answered_length(stencil: Stencil, length: int) -> int:
     """
     got = _asked(stencil, "out_length", length)
     if _not_int(got) or got < 0:  # type: ignore[operator]
-        raise HaloError(f"{stencil!r}.out_length({length}) returned {got!r}; expected an "
-                        "int >= 0")
+        raise _wrong(stencil, "out_length", (length,), got, "an int >= 0")
     return got  # type: ignore[return-value]
 
 
@@ -323,16 +332,17 @@ def answered_window(stencil: Stencil, start: int, stop: int) -> tuple[int, int, 
         (2, 6, 0)
     """
     got = _asked(stencil, "window", start, stop)
-    call = f"{stencil!r}.window({start}, {stop}) returned {got!r}"
     if not isinstance(got, tuple | list) or len(got) != 3 or any(map(_not_int, got)):
-        raise HaloError(f"{call}; expected three ints (i0, i1, offset)")
+        raise _wrong(stencil, "window", (start, stop), got, "three ints (i0, i1, offset)")
     i0, i1, offset = got
     if i0 >= i1:
-        raise HaloError(f"{call}; expected an input range i0 < i1 (outputs [{start}, "
-                        f"{stop}) must come from at least one input slice)")
+        raise _wrong(stencil, "window", (start, stop), got,
+                     f"an input range i0 < i1 (outputs [{start}, {stop}) must come from at "
+                     "least one input slice)")
     if offset < 0:
-        raise HaloError(f"{call}; expected offset >= 0 (where output {start} lies in the "
-                        "module's output on the window)")
+        raise _wrong(stencil, "window", (start, stop), got,
+                     f"offset >= 0 (where output {start} lies in the module's output on the "
+                     "window)")
     return i0, i1, offset
 
 
