@@ -613,7 +613,7 @@ def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None, *, several: bool =
                         "pass a DTensor or the cp sub-mesh")
     outer = enclosing(x) if fits else None
     spare = 0 if outer is None else outer.spare
-    if not _none(spare):  # a chunk of an enclosing block: its spare slices are not ours
+    if has_spare(spare):  # a chunk of an enclosing block: its spare slices are not ours
         x = x.narrow(dim, 0, x.shape[dim] - spare)
     # Plain chunks agree on their lengths; a bad input on one rank rides in the same row,
     # so every rank raises instead of the others waiting.
@@ -629,15 +629,15 @@ def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None, *, several: bool =
     return _Site(x, mesh, 0, None, shape, dim, spare=spare)
 
 
-def _none(spare: Any) -> bool:
-    """Whether no spare slice is appended (per-rank counts, simulated, may be)."""
-    return isinstance(spare, int) and spare == 0
+def has_spare(spare: Any) -> bool:
+    """Whether spare slices may be appended (per-rank counts, simulated, may be)."""
+    return not (isinstance(spare, int) and spare == 0)
 
 
 def with_spare(y: Any, site: _Site) -> Any:
     """A module's output on `site.local` as the enclosing block's chunk carrying spare
     slices expects it: an empty output chunk gets one zero slice back."""
-    if _none(site.spare):
+    if not has_spare(site.spare):
         return y
     if isinstance(y, tuple) and y and isinstance(y[0], torch.Tensor):
         return (with_spare_slice(y[0], site.dim), *y[1:])

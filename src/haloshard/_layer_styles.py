@@ -65,12 +65,12 @@ from haloshard._hooks import (
     LocalRun,
     _dtensor_site,
     _HaloForward,
-    _none,
     _NoPadAlong,
     _Site,
     _site,
     attach,
     check_same_length,
+    has_spare,
     rewrap,
     with_spare,
 )
@@ -262,7 +262,7 @@ class _GroupNormForward(_LocalForward):
     def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
         gn, x = self.module, site.local
         assert isinstance(gn, nn.GroupNorm)
-        if not _none(site.spare):  # an enclosing block's spare slice counts in no statistic
+        if has_spare(site.spare):  # an enclosing block's spare slice counts in no statistic
             x = x.narrow(self.dim, 0, x.shape[self.dim] - site.spare)
         # `_GroupNormFn` checks C against the groups on every rank, inside its gather.
         y = group_norm(x, gn.num_groups, gn.weight, gn.bias, gn.eps,
@@ -356,7 +356,7 @@ class _TokenAttention(TorchFunctionMode):
                             f", dropout_p={dropout_p}, is_causal={is_causal}, "
                             f"enable_gqa={enable_gqa}")
         _check_tokens(q.shape[-2], self.site.local.shape[self.dim], self.frame)
-        if not _none(self.site.spare):
+        if has_spare(self.site.spare):
             # the spare slice's tokens (last, t outermost) are no keys; its queries' outputs
             # are dropped with the slice
             k, v = (t.narrow(-2, 0, t.shape[-2] - self.site.spare * self.frame)
