@@ -29,6 +29,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -64,6 +65,18 @@ class _Flag:
 
 
 INSIDE = _Flag()
+# The sites (`_hooks._Site`) of the blocks running their own forward on a chunk now
+# (`AttentionParallel`), innermost last: a plain tensor a planned module meets inside one is
+# a chunk of that site's layout, carrying its spare slices (`_Site.spare`). A plain stack,
+# not a ContextVar, which torch.compile cannot trace.
+ENCLOSING: list[Any] = []
+
+
+def enclosing(x: object) -> Any:
+    """The site of the enclosing block whose chunk `x` is (its rank), or None."""
+    if ENCLOSING and isinstance(x, torch.Tensor) and x.ndim == ENCLOSING[-1].local.ndim:
+        return ENCLOSING[-1]
+    return None
 
 
 class ShardedForward:

@@ -46,11 +46,18 @@ from haloshard._forward import (
     _HANDLE,
     HaloHandle,
     ShardedForward,
+    enclosing,
     handle_of,
     module_name,
 )
 from haloshard._forward import INSIDE as _INSIDE
-from haloshard._layout import HaloShard, check_pad_fits, shard_size_and_offset, shard_sizes
+from haloshard._layout import (
+    HaloShard,
+    check_pad_fits,
+    shard_size_and_offset,
+    shard_sizes,
+    with_spare_slice,
+)
 from haloshard._specs import (
     _CONVS,
     _SPATIAL,
@@ -61,6 +68,7 @@ from haloshard._specs import (
     Stencil,
     WindowPlan,
     check_spec,
+    check_stencil,
     derive_stencil,
     is_stencil,
     known_forward,
@@ -127,6 +135,7 @@ def resolve(module: nn.Module, spec: HaloShard | Stencil | None = None, *, dim: 
                 and derive_stencil(module, dim) != spec):
             raise HaloError(f"spec {spec} does not match {type(module).__name__}, which needs "
                             f"{derive_stencil(module, dim)}; pass spec=None to derive it")
+        check_stencil(spec)
         local_attrs(module, dim)
         return Annotation(None, dim, spec)
     if spec is not None and not isinstance(spec, HaloShard):
@@ -242,6 +251,7 @@ class _HaloForward(ShardedForward):
         self.agreed: dict[Any, Any] = {}
         self.chosen: dict[Any, bool] = {}  # overlap or not, by global input signature
         self.trials: dict[Any, int] = {}  # rounds each formulation was timed, by signature
+        self.windows_agreed: set[Any] = set()  # signatures whose stencil windows were agreed
 
     def reuse(self, site: _Site) -> Reuse:
         """This layer's store and the call's global signature: the same on every rank
@@ -283,7 +293,31 @@ class _HaloForward(ShardedForward):
                                  whole=not overlapped)
         else:
             y = self.exchange_first(site, plan, reuse, *args, **kwargs)
-        return _output(y, site, plan, annotation)
+            self.check_windows(y, site, plan, reuse)
+        return with_spare(_output(y, site, plan, annotation), site)
+
+    def check_windows(self, y: Any, site: _Site, plan: WindowPlan, reuse: Reuse) -> None:
+        """A user's stencil against what the module returned on its windows: every rank's
+        output must reach `offset + count` along dim, or cutting this rank's outputs would
+        fail on that rank alone. Agreed once per input signature (a small gather), so a
+        window too short on one rank raises the same `HaloError` on every rank; haloshard's
+        own stencils are tested against their modules and skip it."""
+        if type(self.annotation.stencil).__module__.startswith("haloshard."):
+            return
+        out = y[0] if isinstance(y, tuple) and y else y
+        got = out.shape[self.dim] if isinstance(out, torch.Tensor) else -1
+        rank = site.mesh.get_local_rank(site.axis)
+        key = reuse[1]
+        if key in self.windows_agreed or not _comm.is_eager(site.local):
+            # agreed earlier, or simulated / compiled: each rank checks its own output
+            _check_window_output(rank, got, plan, self.annotation.stencil)
+            return
+        rows = _comm.gather_ints(_window_row(rank, got, plan), _comm.resolve_group(
+            (site.mesh, site.axis)), what="check of the stencil's windows")
+        for r, (length, short) in enumerate(rows):
+            if short:
+                _check_window_output(r, length, plan, self.annotation.stencil)
+        self.windows_agreed.add(key)
 
     def several(self, site: _Site, *args: Any, **kwargs: Any) -> Any:
         """Spatial dims sharded on several mesh axes (T and H): the halo exchanged along
@@ -553,6 +587,9 @@ class _Site:
     dim: int
     # other spatial dims sharded on other mesh axes, (mesh axis, dim): T and H at once
     others: tuple[tuple[int, int], ...] = ()
+    # zero slices appended along dim to a chunk an enclosing block runs on (an empty chunk
+    # runs as one: its own forward may refuse 0 elements); `local` excludes them
+    spare: Any = 0
 
     @property
     def length(self) -> int:
@@ -574,6 +611,10 @@ def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None, *, several: bool =
                             "HaloParallel (parallelize_module) or pass a DTensor")
         raise HaloError(f"a plain-tensor input needs a 1-D mesh, got a {mesh.ndim}-D mesh; "
                         "pass a DTensor or the cp sub-mesh")
+    outer = enclosing(x) if fits else None
+    spare = 0 if outer is None else outer.spare
+    if has_spare(spare):  # a chunk of an enclosing block: its spare slices are not ours
+        x = x.narrow(dim, 0, x.shape[dim] - spare)
     # Plain chunks agree on their lengths; a bad input on one rank rides in the same row,
     # so every rank raises instead of the others waiting.
     row = (maybe_run_for_local_tensor(lambda t: torch.tensor([t.shape[dim], 0]))(x) if fits
@@ -585,7 +626,22 @@ def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None, *, several: bool =
                         f"halo module an input without dim {dim}; expected a tensor with it")
     shape = tuple(sum(r[0] for r in rows) if i == dim else int(s)
                   for i, s in enumerate(x.shape))
-    return _Site(x, mesh, 0, None, shape, dim)
+    return _Site(x, mesh, 0, None, shape, dim, spare=spare)
+
+
+def has_spare(spare: Any) -> bool:
+    """Whether spare slices may be appended (per-rank counts, simulated, may be)."""
+    return not (isinstance(spare, int) and spare == 0)
+
+
+def with_spare(y: Any, site: _Site) -> Any:
+    """A module's output on `site.local` as the enclosing block's chunk carrying spare
+    slices expects it: an empty output chunk gets one zero slice back."""
+    if not has_spare(site.spare):
+        return y
+    if isinstance(y, tuple) and y and isinstance(y[0], torch.Tensor):
+        return (with_spare_slice(y[0], site.dim), *y[1:])
+    return with_spare_slice(y, site.dim)
 
 
 def _dtensor_site(x: DTensor, dim: int, *, several: bool = False) -> _Site:
@@ -712,6 +768,27 @@ def _output(y: torch.Tensor, site: _Site, plan: WindowPlan, annotation: Annotati
     # Keep the module's own output when it is already the chunk: a narrow() view would make
     # an in-place op on it drop FSDP2's pre-backward hook.
     return rewrap(_narrowed(y, dim, start, length), site, dim, plan.out_length)
+
+
+@maybe_run_for_local_tensor
+def _window_row(rank: int, got: int, plan: WindowPlan) -> torch.Tensor:
+    """This rank's module output length and whether it is too short for its outputs."""
+    return torch.tensor([got, got < plan.out_start[rank] + plan.out_len[rank]])
+
+
+@maybe_run_for_local_tensor
+def _check_window_output(rank: int, got: int, plan: WindowPlan, stencil: Stencil) -> None:
+    """`HaloError` when rank `rank`'s module output (`got` slices, -1: not a tensor) ends
+    before the outputs its stencil window promised."""
+    start, count = plan.out_start[rank], plan.out_len[rank]
+    if got < start + count:
+        window = plan.win_len[rank] + plan.win_zeros[rank]
+        raise HaloError(
+            f"{stencil!r}.window() gave rank {rank} an input window of {window} slices whose "
+            f"outputs should hold its {count} output(s) from offset {start}, but the module "
+            f"returned {f'{got} slices' if got >= 0 else 'no tensor'} on it; expected at "
+            f"least {start + count} slices: the stencil's window is too short or its offset "
+            "too large for this module")
 
 
 def _narrowed(t: torch.Tensor, dim: int, start: Any, length: Any) -> torch.Tensor:

@@ -50,14 +50,16 @@ from haloshard._compat import (
     tree_unflatten,
 )
 from haloshard._errors import HaloError
-from haloshard._forward import INSIDE as _INSIDE
 from haloshard._forward import (
+    ENCLOSING,
     ShardedForward,
     check_layouts,
+    enclosing,
     install,
     names_errors,
     output_layouts,
 )
+from haloshard._forward import INSIDE as _INSIDE
 from haloshard._hooks import (
     Annotation,
     LocalRun,
@@ -68,7 +70,9 @@ from haloshard._hooks import (
     _site,
     attach,
     check_same_length,
+    has_spare,
     rewrap,
+    with_spare,
 )
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes, with_spare_slice
 from haloshard._norms import group_norm
@@ -85,13 +89,8 @@ from haloshard._specs import (
     spatial_index,
 )
 
+
 # ---------------------------------------------------------------- local forward machinery
-# The sites of the attention blocks running now (innermost last): a plain tensor a planned
-# module meets inside one is a chunk of its input's layout (T, or T and H, sharded). A
-# plain stack, not a ContextVar, which torch.compile cannot trace.
-_ENCLOSING: list[_Site] = []
-
-
 class _LocalForward(ShardedForward):
     """The strategy of a per-slice module: it runs on the local chunk of a `Shard(dim)`
     input. DTensor in: the output comes back as a DTensor on the input's mesh and
@@ -113,9 +112,10 @@ class _LocalForward(ShardedForward):
                                 f"({along[0]},) for a module that does (a 1x1 conv is found "
                                 "by itself)")
             return site
-        if _ENCLOSING and x.ndim == _ENCLOSING[-1].local.ndim:
+        outer = enclosing(x)
+        if outer is not None:
             # a chunk of the enclosing attention block's input: its mesh axes and lengths
-            return replace(_ENCLOSING[-1], local=x, placements=None)
+            return replace(outer, local=x, placements=None)
         if self.mesh is None or self.mesh.ndim != 1:
             raise HaloError(f"{self.style} got a plain tensor and needs a 1-D mesh for it, got "
                             f"{self.mesh}; pass a DTensor or apply it to the cp sub-mesh")
@@ -260,13 +260,15 @@ class _GroupNormForward(_LocalForward):
     style = "GroupNormParallel"
 
     def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
-        gn = self.module
+        gn, x = self.module, site.local
         assert isinstance(gn, nn.GroupNorm)
+        if has_spare(site.spare):  # an enclosing block's spare slice counts in no statistic
+            x = x.narrow(self.dim, 0, x.shape[self.dim] - site.spare)
         # `_GroupNormFn` checks C against the groups on every rank, inside its gather.
-        return group_norm(site.local, gn.num_groups, gn.weight, gn.bias, gn.eps,
-                          (site.mesh, site.axis), segments=_segments.at(site.length),
-                          dim=self.dim,
-                          other_groups=[(site.mesh, axis) for axis, _ in site.others])
+        y = group_norm(x, gn.num_groups, gn.weight, gn.bias, gn.eps,
+                       (site.mesh, site.axis), segments=_segments.at(site.length),
+                       dim=self.dim, other_groups=[(site.mesh, axis) for axis, _ in site.others])
+        return with_spare(y, site)
 
     def site(self, x: torch.Tensor) -> _Site:
         # statistics combine over every mesh axis that shards a spatial dim (T and H)
@@ -354,6 +356,11 @@ class _TokenAttention(TorchFunctionMode):
                             f", dropout_p={dropout_p}, is_causal={is_causal}, "
                             f"enable_gqa={enable_gqa}")
         _check_tokens(q.shape[-2], self.site.local.shape[self.dim], self.frame)
+        if has_spare(self.site.spare):
+            # the spare slice's tokens (last, t outermost) are no keys; its queries' outputs
+            # are dropped with the slice
+            k, v = (t.narrow(-2, 0, t.shape[-2] - self.site.spare * self.frame)
+                    for t in (k, v))
         # Tokens gathered in frames of S, not as a (..., T_r, S, E) view: that reshape of a
         # per-rank length is not supported under LocalTensorMode. With H sharded too, the
         # T-gathered tokens are gathered again over H's mesh axis, in frames of the other
@@ -402,18 +409,27 @@ class _AttentionForward(_LocalForward):
         return _site(x, self.dim, self.mesh)
 
     def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
+        x, n = site.local, site.local.shape[self.dim]
+        if isinstance(n, torch.SymInt) or n == 0:
+            # An empty chunk runs as one zero slice (a block's `view(b, c, -1)` or conv
+            # refuses 0 elements); styles inside it and its keys leave the slice out, and
+            # its output is dropped. Per-rank counts (simulated): pad where a rank lacks one.
+            padded = with_spare_slice(x, self.dim)
+            site = replace(site, local=padded, spare=padded.shape[self.dim] - n)
         mode = _TokenAttention(site, self.dim, self.agreed)
-        _ENCLOSING.append(site)
+        ENCLOSING.append(site)
         try:
             with mode:
                 y = self.original(site.local, *args, **kwargs)
         finally:
-            _ENCLOSING.pop()
+            ENCLOSING.pop()
         if mode.calls != 1:
             raise HaloError(f"AttentionParallel expects the block to call "
                             f"F.scaled_dot_product_attention once, it called it {mode.calls} "
                             "times; a hand-written softmax(q @ k.T) would attend to this "
                             "rank's tokens only")
+        if site.local is not x and isinstance(y, torch.Tensor):
+            y = y.narrow(self.dim, 0, n)  # the spare frame's output
         return y
 
     def inside(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -429,9 +445,10 @@ class AttentionParallel(LocalParallel):
     mask, dropout or causal flag) is replaced by attention of the local queries over the
     keys and values all-gathered along T (as `haloshard.gather_along` does). The block must order
     tokens as `(t h w)` with t outermost (the usual `b c t h w -> b (t h w) c`); a GroupNorm
-    inside it needs its own `GroupNormParallel` entry (an un-planned one raises), and where
-    a rank may hold no frame (torch.chunk splits: T=9 on 4 ranks is 3, 3, 3, 0) its convs
-    need `LocalParallel` entries (a conv refuses an empty input). Exact, forward and
+    inside it needs its own `GroupNormParallel` entry (an un-planned one raises). A rank that
+    holds no frame (torch.chunk splits: T=9 on 4 ranks is 3, 3, 3, 0) runs the block on one
+    zero frame (its convs and `view(b, c, -1)` refuse an empty input), which gives no keys,
+    counts in no statistic of the styles inside it and is dropped. Exact, forward and
     backward (the backward of the gather is a reduce-scatter of dK and dV).
 
     Memory: every rank holds the full K and V of the block, `2 * B * T * H * W * C`

@@ -22,7 +22,13 @@ from torch import nn
 
 from haloshard._compat import CONV_PADDING_RECORD
 from haloshard._errors import HaloError
-from haloshard._layout import HaloShard, PadMode, shard_size_and_offset, shard_sizes
+from haloshard._layout import (
+    PAD_MODES,
+    HaloShard,
+    PadMode,
+    shard_size_and_offset,
+    shard_sizes,
+)
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -49,7 +55,7 @@ class Stencil(Protocol):
         pad: how a window is filled beyond the global ends (`zeros`, `replicate`, ...).
         fill: a value that replaces `pad` beyond the global ends (max pooling: -inf).
         min_input: the window length a rank that owns no output runs the module on (its
-            output is dropped; every rank stays in the same collectives).
+            output is dropped; every rank stays in the same collectives): an int >= 1.
 
     Methods:
         out_length(length): the layer's global output length for a global input length.
@@ -58,6 +64,12 @@ class Stencil(Protocol):
             the module's output on that window: `(i0, i1, offset)`.
         at_length(length) (optional): the stencil to use for a given global length, for a
             layer whose computation depends on it (`FirstFrameStencil(even=...)`).
+
+    Every rank asks for every rank's window, so an answer no module can compute (not ints,
+    `i1 <= i0`, a negative offset or output length) raises `HaloError` on every rank at
+    once; a user's stencil is also checked against the module's output on its windows at
+    the first call per input signature (one small gather): a window too short for the
+    outputs it promises raises on every rank too.
 
     Example::
         >>> ConvStencil(span=3, pad_left=2).window(4, 6)  # causal kernel 3: 2 frames back
@@ -230,6 +242,108 @@ def is_stencil(spec: object) -> bool:
     return (all(hasattr(spec, name) for name in ("pad", "fill", "min_input"))
             and callable(getattr(spec, "out_length", None))
             and callable(getattr(spec, "window", None)))
+
+
+def check_stencil(stencil: Stencil) -> None:
+    """Validate a stencil's attributes (a user's own layer kind included), at annotation.
+
+    Raises:
+        HaloError: naming the stencil, for a `pad` that is not a pad mode, a `fill` that is
+            not None or a number, or a `min_input` that is not an int >= 1 (a rank owning no
+            output runs the module on that many slices: modules refuse empty inputs).
+
+    Example::
+        >>> check_stencil(ConvStencil(span=3))  # returns: valid
+    """
+    if stencil.pad not in PAD_MODES:
+        raise HaloError(f"stencil {stencil!r} has pad={stencil.pad!r}; expected one of "
+                        f"{PAD_MODES}")
+    fill = stencil.fill
+    if fill is not None and (_not_int(fill) and not isinstance(fill, float)):
+        raise HaloError(f"stencil {stencil!r} has fill={fill!r}; expected None or a number")
+    if _not_int(stencil.min_input) or stencil.min_input < 1:
+        raise HaloError(f"stencil {stencil!r} has min_input={stencil.min_input!r}; expected "
+                        "an int >= 1: a rank that owns no output runs the module on that many "
+                        "slices, and modules refuse an empty input")
+
+
+def _not_int(value: object) -> bool:
+    return not isinstance(value, int) or isinstance(value, bool)
+
+
+def _asked(stencil: Stencil, method: str, *args: int) -> object:
+    """`stencil.method(*args)`; an exception from the user's code becomes a HaloError
+    naming the call (it raises on every rank alike: every rank asks the same)."""
+    try:
+        return getattr(stencil, method)(*args)
+    except HaloError:
+        raise
+    except Exception as error:
+        raise HaloError(f"{_call(stencil, method, args)} raised {type(error).__name__}: "
+                        f"{error}") from error
+
+
+def _call(stencil: Stencil, method: str, args: tuple[int, ...]) -> str:
+    # built only for a message: torch.compile traces the checks, not the reprs
+    return f"{stencil!r}.{method}({', '.join(str(a) for a in args)})"
+
+
+def _wrong(stencil: Stencil, method: str, args: tuple[int, ...], got: object,
+           expected: str) -> HaloError:
+    return HaloError(f"{_call(stencil, method, args)} returned {got!r}; expected {expected}")
+
+
+def stencil_at(stencil: Stencil, length: int) -> Stencil:
+    """The stencil for a global length: `at_length(length)` where the stencil has one.
+
+    Raises:
+        HaloError: when `at_length` does not answer a valid stencil.
+    """
+    if getattr(stencil, "at_length", None) is None:
+        return stencil
+    found = _asked(stencil, "at_length", length)
+    if not is_stencil(found):
+        raise _wrong(stencil, "at_length", (length,), found,
+                     "a stencil (pad, fill, min_input, out_length, window)")
+    check_stencil(found)  # type: ignore[arg-type]
+    return found  # type: ignore[return-value]
+
+
+def answered_length(stencil: Stencil, length: int) -> int:
+    """`stencil.out_length(length)`, checked: an int >= 0.
+
+    Example::
+        >>> answered_length(ConvStencil(span=3), 7)
+        5
+    """
+    got = _asked(stencil, "out_length", length)
+    if _not_int(got) or got < 0:  # type: ignore[operator]
+        raise _wrong(stencil, "out_length", (length,), got, "an int >= 0")
+    return got  # type: ignore[return-value]
+
+
+def answered_window(stencil: Stencil, start: int, stop: int) -> tuple[int, int, int]:
+    """`stencil.window(start, stop)`, checked: three ints `(i0, i1, offset)` with
+    `i0 < i1` (a non-empty, non-reversed input range) and `offset >= 0`. Where the outputs
+    end within the module's output on that window is checked when the module has run.
+
+    Example::
+        >>> answered_window(ConvStencil(span=3, pad_left=2), 4, 6)
+        (2, 6, 0)
+    """
+    got = _asked(stencil, "window", start, stop)
+    if not isinstance(got, tuple | list) or len(got) != 3 or any(map(_not_int, got)):
+        raise _wrong(stencil, "window", (start, stop), got, "three ints (i0, i1, offset)")
+    i0, i1, offset = got
+    if i0 >= i1:
+        raise _wrong(stencil, "window", (start, stop), got,
+                     f"an input range i0 < i1 (outputs [{start}, {stop}) must come from at "
+                     "least one input slice)")
+    if offset < 0:
+        raise _wrong(stencil, "window", (start, stop), got,
+                     f"offset >= 0 (where output {start} lies in the module's output on the "
+                     "window)")
+    return i0, i1, offset
 
 
 def stencil_of_spec(spec: HaloShard) -> ConvStencil:
@@ -507,23 +621,24 @@ def plan_windows(stencil: Stencil, length: int, world: int, *, uniform: bool = F
     take per-rank symbolic lengths.
 
     Raises:
-        HaloError: when the layer has no output for this global length.
+        HaloError: when the layer has no output for this global length, or the stencil
+            answers what no module can compute (`check_stencil`, `answered_window`).
 
     Example::
         >>> p = plan_windows(ConvStencil(span=3, stride=2, pad_left=1, pad_right=1), 7, 2)
         >>> p.out_length, p.left, p.right, p.win_start, p.win_len
         (4, 1, 1, (0, 0), (5, 5))
     """
-    at_length = getattr(stencil, "at_length", None)
-    if at_length is not None:  # a layer whose computation depends on the global length
-        stencil = at_length(length)
-    out_length = stencil.out_length(length)
+    check_stencil(stencil)
+    stencil = stencil_at(stencil, length)
+    out_length = answered_length(stencil, length)
     if out_length <= 0:
         raise HaloError(f"{stencil} has no output for global length {length} along the "
                         "sharded dim; the single-device module would fail too")
     chunks = [shard_size_and_offset(length, world, r) for r in range(world)]
     outs = [shard_size_and_offset(out_length, world, r) for r in range(world)]
-    wins = {r: stencil.window(o, o + n) for r, (n, o) in enumerate(outs) if n}
+    # Every rank asks for every rank's window: a bad answer raises on all of them at once.
+    wins = {r: answered_window(stencil, o, o + n) for r, (n, o) in enumerate(outs) if n}
     left = max([0, *(chunks[r][1] - i0 for r, (i0, _, _) in wins.items())])
     right = max([0, *(i1 - sum(chunks[r]) for r, (_, i1, _) in wins.items())])
     starts = tuple(wins[r][0] - chunks[r][1] + left if r in wins else 0 for r in range(world))
