@@ -121,6 +121,16 @@ def _check_class(module: nn.Module, name: str, style: str) -> None:
         raise HaloError(f"{style} applies to diffusers' {name}, got {type(module).__name__}")
 
 
+def _check_time_dim(dim: int, style: str) -> None:
+    """The styles here implement their module's rule along T (dim 2 of `(B, C, T, H, W)`):
+    first frames, causal masks, depth-to-space along T. Along H that rule would be applied
+    to the wrong axis (wrong numbers, no error), so another dim is refused."""
+    if dim != 2:
+        raise HaloError(f"{style} implements its module's rule along T (dim 2 of (B, C, T, "
+                        f"H, W)) only, got dim={dim}; expected dim=2 (shard H with the "
+                        "generic styles, e.g. HaloParallel for a conv)")
+
+
 # ---------------------------------------------------------------- HunyuanVideo upsampler
 @dataclass(frozen=True)
 class UpCausalStencil:
@@ -173,6 +183,7 @@ class HunyuanUpsampleParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "HunyuanVideoUpsampleCausal3D", "HunyuanUpsampleParallel")
+        _check_time_dim(self.dim, "HunyuanUpsampleParallel")
         factor, wrapper = module.upsample_factor[0], module.conv
         conv = wrapper.conv
         k, stride, dilation = conv.kernel_size[0], conv.stride[0], conv.dilation[0]
@@ -295,6 +306,7 @@ class HunyuanMidBlockParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "HunyuanVideoMidBlock3D", "HunyuanMidBlockParallel")
+        _check_time_dim(self.dim, "HunyuanMidBlockParallel")
         for i, attn in enumerate(module.attentions):
             if attn is not None:
                 _check_attention(attn, f"attentions.{i}")
@@ -383,6 +395,7 @@ class CogSpatialNormParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "CogVideoXSpatialNorm3D", "CogSpatialNormParallel")
+        _check_time_dim(self.dim, "CogSpatialNormParallel")
         for name in ("conv_y", "conv_b"):
             conv = getattr(module, name).conv
             if tuple(conv.kernel_size) != (1, 1, 1) or tuple(conv.stride) != (1, 1, 1):
@@ -486,6 +499,7 @@ class MochiBlockParallel(ParallelStyle):
         if type(module).__name__ not in ("MochiDownBlock3D", "MochiMidBlock3D"):
             raise HaloError(f"MochiBlockParallel applies to diffusers' MochiDownBlock3D and "
                             f"MochiMidBlock3D, got {type(module).__name__}")
+        _check_time_dim(self.dim, "MochiBlockParallel")
         for i, attn in enumerate(module.attentions):
             if attn is not None:
                 _check_mochi_attention(attn, f"attentions.{i}")
@@ -569,6 +583,7 @@ class MochiUpBlockParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "MochiUpBlock3D", "MochiUpBlockParallel")
+        _check_time_dim(self.dim, "MochiUpBlockParallel")
         expand = _MochiExpand(module)
         attach(expand, Annotation(None, self.dim, RepeatStencil(module.temporal_expansion)),
                device_mesh)
@@ -645,6 +660,7 @@ class LTXUpsamplerParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "LTXVideoUpsampler3d", "LTXUpsamplerParallel")
+        _check_time_dim(self.dim, "LTXUpsamplerParallel")
         conv = module.conv
         k, stride = conv.kernel_size[0], conv.conv.stride[0]
         if stride != 1 or conv.conv.dilation[0] != 1:
