@@ -197,14 +197,11 @@ def _mixing(module: nn.Module, dim: int, ndim: int | None) -> str | None:
 
 
 def _refuse_mixing(module: nn.Module, dim: int, ndim: int | None, style: str) -> None:
-    reason = _mixing(module, dim, ndim) if style in _PER_SLICE_STYLES else None
+    reason = _mixing(module, dim, ndim)
     if reason is not None:
         raise HaloError(f"{style} runs a module on this rank's slices along dim {dim} alone, "
                         f"but {type(module).__name__} {reason}; expected a module that "
                         "treats each slice alone")
-
-
-_PER_SLICE_STYLES = ("LocalParallel", "ReplicatedArgsParallel")
 
 
 def _check_dim(module: nn.Module, dim: int, style: str, *, least: int = 2) -> None:
@@ -244,6 +241,7 @@ class LocalParallel(ParallelStyle):
     """
 
     forward_type: type[_LocalForward] = _LocalForward
+    per_slice = True  # runs the module on local slices alone (not a global-statistics style)
 
     def __init__(self, *, dim: int = 2, local_dims: tuple[int, ...] = (),
                  input_layouts: Placement | None = None,
@@ -263,7 +261,8 @@ class LocalParallel(ParallelStyle):
         # per-token `(B, T, C)` linears.
         least = 1 if type(self) is LocalParallel else 2
         _check_dim(module, self.dim, type(self).__name__, least=least)
-        _refuse_mixing(module, self.dim, None, type(self).__name__)
+        if self.per_slice:
+            _refuse_mixing(module, self.dim, None, type(self).__name__)
         if isinstance(module, DERIVABLE) and not isinstance(self, GroupNormParallel):
             stencil = derive_stencil(module, self.dim)
             if stencil != ConvStencil(span=1):
@@ -358,6 +357,7 @@ class GroupNormParallel(LocalParallel):
     """
 
     forward_type = _GroupNormForward
+    per_slice = False
 
     def _validate(self, module: nn.Module) -> None:
         if not isinstance(module, nn.GroupNorm):
@@ -655,6 +655,7 @@ class AttentionParallel(LocalParallel):
     """
 
     forward_type = _AttentionForward
+    per_slice = False
 
     def _validate(self, module: nn.Module) -> None:
         if isinstance(module, nn.MultiheadAttention):
