@@ -318,9 +318,15 @@ def _mha_mistake(case: str) -> tuple[str, float]:
     x = DTensor.from_local(shard(full, 1, world, dist.get_rank()), mesh, [Shard(1)],
                            shape=full.shape, stride=full.stride())
     start = time.perf_counter()
+    mask = torch.zeros(5, 5, dtype=torch.bool)
     try:
         if case == "mask":
-            mha(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.bool))
+            mha(x, x, x, attn_mask=mask)
+        elif case == "mask_on_rank_1":  # the others call it right: they raise too, at once
+            mha(x, x, x, attn_mask=mask if dist.get_rank() == 1 else None)
+        elif case == "mask_on_rank_1_later":  # the same, once the gather is agreed
+            mha(x, x, x)
+            mha(x, x, x, attn_mask=mask if dist.get_rank() == 1 else None)
         else:
             mha(x, x, x.detach() * 2)
     except HaloError as error:
@@ -332,14 +338,20 @@ def _mha_mistake(case: str) -> tuple[str, float]:
 @pytest.mark.parametrize(("case", "message"), [
     ("mask", "without masks, got key_padding_mask=False, attn_mask=True"),
     ("cross", "expected mha\\(x, x, x\\) with one tensor"),
+    ("mask_on_rank_1", "attn_mask=True|ranks disagree"),
+    ("mask_on_rank_1_later", "attn_mask=True|rank\\(s\\) \\[1\\]"),
 ])
 def test_multihead_attention_refusals_gloo(gloo: Callable[[int], Any], case: str,
                                            message: str) -> None:
+    """Every rank raises HaloError at once, naming the module; where only rank 1 erred,
+    it names its mistake and the others name the disagreement."""
     outcomes = gloo(2).run(_mha_mistake, case, timeout=120)
     for rank, (what, took) in enumerate(outcomes):
         assert what.startswith("HaloError") and "MultiheadAttention" in what, (rank, what)
         assert re.search(message, what), (rank, what)
         assert took < AT_ONCE_S, (rank, took)
+    if case.startswith("mask_on_rank_1"):
+        assert "attn_mask=True" in outcomes[1][0], outcomes
 
 
 class _OwnForward(nn.MultiheadAttention):

@@ -527,15 +527,11 @@ class _MultiheadForward(_LocalForward):
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> Any:
-        _check_mha_call(self.module, query, key, value, key_padding_mask, attn_mask,
-                        is_causal)
+        problem = _mha_problem(self.module, query, key, value, key_padding_mask, attn_mask,
+                               is_causal)
         site = self.site(query)
         x, n = site.local, site.local.shape[self.dim]
-        reuse = None if site.placements is None else (self.agreed, (
-            site.shape, site.placements, id(site.mesh), x.dtype, x.requires_grad,
-            torch.is_grad_enabled()))
-        (full,) = gather_many((x,), self.dim, (site.mesh, site.axis),
-                              global_length=site.length, reuse=reuse)
+        full = self.gather(site, problem)
         # simulated ranks: equal lengths; an empty chunk: one spare query (outputs dropped)
         q = (_equal_chunks(x, self.dim, site) if isinstance(n, torch.SymInt)
              else with_spare_slice(x, self.dim) if n == 0 else x)
@@ -550,6 +546,28 @@ class _MultiheadForward(_LocalForward):
         out = rewrap(out.narrow(self.dim, 0, n) if q is not x else out, site, self.dim,
                      site.length)
         return out, None if weights is None else _weight_rows(weights, q is not x, n, site)
+
+
+    def gather(self, site: _Site, problem: str | None) -> torch.Tensor:
+        """The input all-gathered along dim. A call refused on some rank sends its input
+        in another dtype instead: the ranks' tensors then disagree, so every rank raises
+        in the gather at once, rather than the others waiting for this rank."""
+        x = site.local
+        reuse = None if site.placements is None else (self.agreed, (
+            site.shape, site.placements, id(site.mesh), x.dtype, x.requires_grad,
+            torch.is_grad_enabled()))
+        if problem is not None:
+            x = x.detach().to(torch.float32 if x.dtype == torch.float64 else torch.float64)
+        try:
+            (full,) = gather_many((x,), self.dim, (site.mesh, site.axis),
+                                  global_length=site.length, reuse=reuse)
+        except HaloError:
+            if problem is not None:
+                raise HaloError(problem) from None
+            raise
+        if problem is not None:  # refused on every rank alike
+            raise HaloError(problem)
+        return full
 
 
 def _weight_rows(w: torch.Tensor, padded: bool, n: Any, site: _Site) -> Any:
@@ -567,27 +585,30 @@ def _weight_rows(w: torch.Tensor, padded: bool, n: Any, site: _Site) -> Any:
                               stride=stride)
 
 
-def _check_mha_call(module: nn.Module, query: Any, key: Any, value: Any,
-                    key_padding_mask: Any, attn_mask: Any, is_causal: bool) -> None:
-    """What the sharded self-attention implements: the same batched tensor as query, key
-    and value; no masks (a mask's columns would have to be agreed as global); no dropout
-    in training (its draws would differ from one device's)."""
+def _mha_problem(module: nn.Module, query: Any, key: Any, value: Any,
+                 key_padding_mask: Any, attn_mask: Any, is_causal: bool) -> str | None:
+    """What the sharded self-attention does not implement in this call, or None: it takes
+    the same batched tensor as query, key and value; no masks (a mask's columns would have
+    to be agreed as global); no dropout in training (its draws would differ from one
+    device's)."""
     if not (query is key and key is value):
-        raise HaloError("AttentionParallel runs nn.MultiheadAttention as self-attention on "
-                        "a sharded sequence: expected mha(x, x, x) with one tensor, got "
-                        "different query, key and value")
-    if not isinstance(query, torch.Tensor) or query.ndim != 3:
-        got = query.ndim if isinstance(query, torch.Tensor) else type(query).__name__
-        raise HaloError(f"AttentionParallel expects a batched nn.MultiheadAttention input "
-                        f"(3-D), got {got}")
+        return ("AttentionParallel runs nn.MultiheadAttention as self-attention on a sharded "
+                "sequence: expected mha(x, x, x) with one tensor, got different query, key "
+                "and value")
+    if not isinstance(query, torch.Tensor):
+        return None  # the site refuses it, on every rank
+    if query.ndim != 3:
+        return (f"AttentionParallel expects a batched nn.MultiheadAttention input (3-D), "
+                f"got {query.ndim}-D")
     if key_padding_mask is not None or attn_mask is not None or is_causal:
-        raise HaloError(f"AttentionParallel supports nn.MultiheadAttention without masks, got "
-                        f"key_padding_mask={key_padding_mask is not None}, attn_mask="
-                        f"{attn_mask is not None}, is_causal={is_causal}")
+        return (f"AttentionParallel supports nn.MultiheadAttention without masks, got "
+                f"key_padding_mask={key_padding_mask is not None}, attn_mask="
+                f"{attn_mask is not None}, is_causal={is_causal}")
     if module.training and module.dropout > 0:
-        raise HaloError(f"AttentionParallel cannot run nn.MultiheadAttention's dropout "
-                        f"(p={module.dropout}) in training: its draws would not be one "
-                        "device's; expected eval() or dropout=0")
+        return (f"AttentionParallel cannot run nn.MultiheadAttention's dropout "
+                f"(p={module.dropout}) in training: its draws would not be one device's; "
+                "expected eval() or dropout=0")
+    return None
 
 
 def _check_mha(module: nn.Module, dim: int, local_dims: tuple[int, ...]) -> None:
