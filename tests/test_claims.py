@@ -216,6 +216,43 @@ def test_first_frame_refuses_another_rule() -> None:
             module(x)
 
 
+class _ParityUp(nn.Module):
+    """CogVideoX's `Upsample3D` along T: an even T repeats every frame (2T, not 2T - 1),
+    so declaring it even="first" is wrong on even windows only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[2] % 2:
+            return torch.cat([x[:, :, :1], x[:, :, 1:].repeat_interleave(2, dim=2)], dim=2)
+        return x.repeat_interleave(2, dim=2)
+
+
+def _parity_mistake() -> tuple[str, float]:
+    """T = 5 up on 3 ranks: outputs 3, 3, 3 from windows of 2, 3, 3 frames; only rank 0's
+    window is even, so only rank 0's module output is off the declared rule."""
+    world = dist.get_world_size()
+    mesh = worker_mesh(world)
+    up = _ParityUp()
+    parallelize_module(up, mesh, FirstFrameParallel(2, "up", even="first"))
+    full = seeded_randn((1, 2, 5, 2, 2), 1)
+    x = DTensor.from_local(shard(full, 2, world, dist.get_rank()), mesh, [Shard(2)],
+                           shape=full.shape, stride=full.stride())
+    start = time.perf_counter()
+    try:
+        up(x)
+    except HaloError as error:
+        return f"HaloError: {error}", time.perf_counter() - start
+    return "ok", time.perf_counter() - start
+
+
+@pytest.mark.gloo
+def test_first_frame_rule_off_on_one_rank_gloo(gloo: Callable[[int], Any]) -> None:
+    """Real processes only: simulated ranks pad every window to one length (odd here)."""
+    for rank, (what, took) in enumerate(gloo(3).run(_parity_mistake, timeout=120)):
+        assert re.search(r"_ParityUp\).*expects 3 slices along dim 2 from a window of 2 on "
+                         r"rank 0 .* returned 4", what), (rank, what)
+        assert took < AT_ONCE_S, (rank, took)
+
+
 @pytest.mark.simulated
 @pytest.mark.parametrize(("world", "length"), [(2, 9), (3, 7)])
 def test_first_frame_keeps_what_it_knows(world: int, length: int) -> None:

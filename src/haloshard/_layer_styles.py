@@ -40,7 +40,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
-from haloshard import _segments
+from haloshard import _comm, _segments
 from haloshard._attention import gather_many, sdpa
 from haloshard._compat import (
     LocalTensor,
@@ -940,6 +940,29 @@ def _reads_beyond(k: _Kernel, stencil: FirstFrameStencil, own_rule: bool) -> boo
     return k.kernel > (f + 1 if own_rule else f)
 
 
+@dataclass(frozen=True)
+class _Meeting:
+    """Where this call's ranks meet: their group, and the call's global signature (None
+    for plain chunks, whose global length this rank does not know yet)."""
+
+    group: Any
+    key: Any
+
+
+def _meeting(x: Any, dim: int, mesh: DeviceMesh | None) -> _Meeting | None:
+    """The meeting of a call on `x`, or None where the halo forward refuses `x` itself."""
+    if isinstance(x, DTensor):
+        axes = [a for a, p in enumerate(x.placements) if p == Shard(dim)]
+        if len(axes) != 1:
+            return None
+        return _Meeting((x.device_mesh, axes[0]), (
+            tuple(x.shape), x.dtype, x.requires_grad, torch.is_grad_enabled(),
+            tuple(x.placements), id(x.device_mesh)))
+    if isinstance(x, torch.Tensor) and mesh is not None and mesh.ndim == 1:
+        return _Meeting(mesh, None)
+    return None
+
+
 class _FirstFrameRun:
     """How a `FirstFrameParallel` module runs on its window: checked, then as given.
 
@@ -947,22 +970,25 @@ class _FirstFrameRun:
     throw-away first frame), nothing more: a conv or pooling along dim that reads further
     would read the window's own padding instead of the neighbours' frames (wrong numbers),
     so it raises at the first call (when the input's rank tells which kernels run along
-    dim). The module's output on its window must also have the rule's length.
+    dim), on every rank alike. The module's output on its window must also have the rule's
+    length; windows differ by rank, so that is agreed once per input signature (a small
+    gather): a module off the rule on one rank's window raises on every rank at once.
     """
 
     def __init__(self, stencil: FirstFrameStencil, dim: int, local: LocalRun | None,
                  kernels: tuple[_Kernel, ...], name: str) -> None:
         self.stencil, self.dim, self.local = stencil, dim, local
         self.kernels, self.name = kernels, name
+        self.meet: _Meeting | None = None  # set by the halo forward for each call
+        self.agreed: set[Any] = set()  # signatures whose output lengths were agreed
 
     def __call__(self, forward: Any, window: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self.check_kernels(window.ndim)
         y = (forward(window, *args, **kwargs) if self.local is None
              else self.local(forward, window, *args, **kwargs))
         out = y[0] if isinstance(y, tuple) and y else y
-        if isinstance(out, torch.Tensor):
-            _check_rule_length(out.shape[self.dim], window.shape[self.dim], self.stencil,
-                               self.dim)
+        got = out.shape[self.dim] if isinstance(out, torch.Tensor) else -1
+        self.check_length(window, got)
         return y
 
     def check_kernels(self, ndim: int) -> None:
@@ -979,9 +1005,34 @@ class _FirstFrameRun:
                 "factor): give the module a stencil of its own (HaloParallel(stencil)) or "
                 "plan that conv on its own")
 
+    def check_length(self, window: torch.Tensor, got: Any) -> None:
+        length, meet = window.shape[self.dim], self.meet
+        if (meet is None or not _comm.is_eager(window)
+                or (meet.key is not None and meet.key in self.agreed)):
+            # simulated or compiled, or agreed before: each rank checks its own
+            _check_rule_length(got, length, self.stencil, self.dim, None)
+            return
+        rows = _comm.gather_ints(torch.tensor([got, length]), _comm.resolve_group(meet.group),
+                                 what="check of the first-frame rule's output lengths")
+        for rank, (got_r, length_r) in enumerate(rows):
+            _check_rule_length(got_r, length_r, self.stencil, self.dim, rank)
+        if meet.key is not None:
+            self.agreed.add(meet.key)
+
+
+class _FirstFrameForward(_HaloForward):
+    """The halo forward of a `FirstFrameParallel` module: it tells the module's run rule
+    where each call's ranks meet."""
+
+    def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        assert isinstance(self.local, _FirstFrameRun)
+        self.local.meet = _meeting(x, self.dim, self.mesh)
+        return super().sharded(x, *args, **kwargs)
+
 
 @maybe_run_for_local_tensor
-def _check_rule_length(got: int, length: int, stencil: FirstFrameStencil, dim: int) -> None:
+def _check_rule_length(got: int, length: int, stencil: FirstFrameStencil, dim: int,
+                       rank: int | None) -> None:
     """The module's output length on a window of `length` frames must be the rule's: the
     first frame kept and the rest resampled, or, with even="all" and an even window,
     every frame resampled (the module branches on its input's parity)."""
@@ -991,11 +1042,12 @@ def _check_rule_length(got: int, length: int, stencil: FirstFrameStencil, dim: i
     else:
         expected = stencil.out_length(length)
     if got != expected:
+        where = "" if rank is None else f" on rank {rank}"
         raise HaloError(
             f"FirstFrameParallel({f}, {stencil.direction!r}, even={stencil.even!r}) expects "
-            f"{expected} slices along dim {dim} from a window of {length} (the first frame "
-            f"kept, the rest resampled by {f}), the module returned {got}: it does not "
-            "follow that rule")
+            f"{expected} slices along dim {dim} from a window of {length}{where} (the first "
+            f"frame kept, the rest resampled by {f}), the module returned {got}: it does "
+            "not follow that rule")
 
 
 class FirstFrameParallel(ParallelStyle):
@@ -1067,9 +1119,12 @@ class FirstFrameParallel(ParallelStyle):
         run = _FirstFrameRun(self.stencil, self.dim, self.local, _kernels(module, self.dim),
                              type(module).__name__)
         attach(module, Annotation(None, self.dim, self.stencil), device_mesh, local=run)
-        forward = module.forward
-        assert isinstance(forward, _HaloForward)
+        base = module.forward
+        assert isinstance(base, _HaloForward)
+        forward = _FirstFrameForward(module, base.annotation, base.mesh, base.saved,
+                                     base.previous, overlap=False, name=base.name, local=run)
         forward.per_slice = self.local_dims
+        module.forward = forward  # the handle restores base.previous, not this object
         return module
 
 
