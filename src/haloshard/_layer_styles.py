@@ -50,6 +50,7 @@ from haloshard._compat import (
     tree_unflatten,
 )
 from haloshard._errors import HaloError
+from haloshard._exchange import Reuse
 from haloshard._forward import INSIDE as _INSIDE
 from haloshard._forward import (
     ShardedForward,
@@ -79,6 +80,7 @@ from haloshard._specs import (
     ConvStencil,
     ResampleStencil,
     Stencil,
+    WindowPlan,
     conv_padding,
     derive_stencil,
     known_forward,
@@ -942,25 +944,10 @@ def _reads_beyond(k: _Kernel, stencil: FirstFrameStencil, own_rule: bool) -> boo
 
 @dataclass(frozen=True)
 class _Meeting:
-    """Where this call's ranks meet: their group, and the call's global signature (None
-    for plain chunks, whose global length this rank does not know yet)."""
+    """Where a call's ranks meet: their group (mesh, axis) and the call's global signature."""
 
     group: Any
     key: Any
-
-
-def _meeting(x: Any, dim: int, mesh: DeviceMesh | None) -> _Meeting | None:
-    """The meeting of a call on `x`, or None where the halo forward refuses `x` itself."""
-    if isinstance(x, DTensor):
-        axes = [a for a, p in enumerate(x.placements) if p == Shard(dim)]
-        if len(axes) != 1:
-            return None
-        return _Meeting((x.device_mesh, axes[0]), (
-            tuple(x.shape), x.dtype, x.requires_grad, torch.is_grad_enabled(),
-            tuple(x.placements), id(x.device_mesh)))
-    if isinstance(x, torch.Tensor) and mesh is not None and mesh.ndim == 1:
-        return _Meeting(mesh, None)
-    return None
 
 
 class _FirstFrameRun:
@@ -979,7 +966,7 @@ class _FirstFrameRun:
                  kernels: tuple[_Kernel, ...], name: str) -> None:
         self.stencil, self.dim, self.local = stencil, dim, local
         self.kernels, self.name = kernels, name
-        self.meet: _Meeting | None = None  # set by the halo forward for each call
+        self.meet: _Meeting | None = None  # set by the halo forward before each run
         self.agreed: set[Any] = set()  # signatures whose output lengths were agreed
 
     def __call__(self, forward: Any, window: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -1007,8 +994,7 @@ class _FirstFrameRun:
 
     def check_length(self, window: torch.Tensor, got: Any) -> None:
         length, meet = window.shape[self.dim], self.meet
-        if (meet is None or not _comm.is_eager(window)
-                or (meet.key is not None and meet.key in self.agreed)):
+        if meet is None or not _comm.is_eager(window) or meet.key in self.agreed:
             # simulated or compiled, or agreed before: each rank checks its own
             _check_rule_length(got, length, self.stencil, self.dim, None)
             return
@@ -1016,18 +1002,25 @@ class _FirstFrameRun:
                                  what="check of the first-frame rule's output lengths")
         for rank, (got_r, length_r) in enumerate(rows):
             _check_rule_length(got_r, length_r, self.stencil, self.dim, rank)
-        if meet.key is not None:
-            self.agreed.add(meet.key)
+        self.agreed.add(meet.key)
 
 
 class _FirstFrameForward(_HaloForward):
     """The halo forward of a `FirstFrameParallel` module: it tells the module's run rule
     where each call's ranks meet."""
 
-    def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
+                       **kwargs: Any) -> Any:
+        self.meet(site)
+        return super().exchange_first(site, plan, reuse, *args, **kwargs)
+
+    def several(self, site: _Site, *args: Any, **kwargs: Any) -> Any:
+        self.meet(site)
+        return super().several(site, *args, **kwargs)
+
+    def meet(self, site: _Site) -> None:
         assert isinstance(self.local, _FirstFrameRun)
-        self.local.meet = _meeting(x, self.dim, self.mesh)
-        return super().sharded(x, *args, **kwargs)
+        self.local.meet = _Meeting((site.mesh, site.axis), self.reuse(site)[1])
 
 
 @maybe_run_for_local_tensor
