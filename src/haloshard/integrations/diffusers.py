@@ -169,8 +169,9 @@ class HunyuanUpsampleParallel(ParallelStyle):
     then its `HunyuanVideoCausalConv3d`) runs unedited on a window of its input.
 
     Raises:
-        HaloError: in `_apply` for another class, a non-integer temporal factor, or a conv
-            that is not causal with replicate padding and stride 1 along T.
+        HaloError: in `_apply` for another class, a dim other than 2 (T), a non-integer
+            temporal factor, or a conv that is not causal with replicate padding and stride
+            1 along T.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -291,9 +292,9 @@ class HunyuanMidBlockParallel(ParallelStyle):
     rank: the full K and V, and scores for this rank's queries only (`N / P * N` per head).
 
     Raises:
-        HaloError: in `_apply` for another class or an attention this style does not know
-            (another processor, cross attention, extra norms); at run time for a plain
-            tensor input.
+        HaloError: in `_apply` for another class, a dim other than 2 (T), or an attention
+            this style does not know (another processor, cross attention, extra norms); at
+            run time for a plain tensor input.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -381,8 +382,8 @@ class CogSpatialNormParallel(ParallelStyle):
     statistics. The returned cache is None (as for the other halo modules).
 
     Raises:
-        HaloError: in `_apply` for another class or convs that are not 1x1x1; at run time for
-            plain-tensor inputs or a conv_cache.
+        HaloError: in `_apply` for another class, a dim other than 2 (T), or convs that
+            are not 1x1x1; at run time for plain-tensor inputs or a conv_cache.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -483,8 +484,8 @@ class MochiBlockParallel(ParallelStyle):
     holds the block's full K and V (`2 * B * T * H * W * C`): all pixels attend along T.
 
     Raises:
-        HaloError: in `_apply` for another class or an attention it does not know; at run
-            time for a plain tensor input or a conv_cache.
+        HaloError: in `_apply` for another class, a dim other than 2 (T), or an attention
+            it does not know; at run time for a plain tensor input or a conv_cache.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -570,7 +571,7 @@ class MochiUpBlockParallel(ParallelStyle):
     frames) on the window of input frames this rank's output frames come from.
 
     Raises:
-        HaloError: in `_apply` for another class.
+        HaloError: in `_apply` for another class or a dim other than 2 (T).
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -647,7 +648,8 @@ class LTXUpsamplerParallel(ParallelStyle):
     run unedited on a window of its input (`ConvDepthToSpaceStencil`).
 
     Raises:
-        HaloError: in `_apply` for another class or a conv that is not stride 1 along T.
+        HaloError: in `_apply` for another class, a dim other than 2 (T), or a conv that
+            is not stride 1 along T.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
