@@ -46,6 +46,7 @@ from haloshard import (
 from haloshard.testing import (
     assert_close_per_rank,
     check_module,
+    counted_collectives,
     rank_map,
     seeded_module,
     seeded_randn,
@@ -343,6 +344,45 @@ def on_gloo_mha() -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_multihead_attention_gloo(gloo: Callable[[int], Any], world: int) -> None:
     gloo(world).run(on_gloo_mha, timeout=300)
+
+
+def mha_steady_state() -> list[dict[str, int]]:
+    """Collectives of three forwards (with backward) of `mha(x, x, x)` and of a first-frame
+    resampler: after the first call, only the data moves."""
+    world = dist.get_world_size()
+    mesh = worker_mesh(world)
+    model = nn.ModuleDict({"mha": _mha(5, batch_first=True), "up": _TimeUp()})
+    parallelize_module(model, mesh, {"mha": AttentionParallel(dim=1),
+                                     "up": FirstFrameParallel(2, "up", even="first")})
+    full, video = seeded_randn((2, 5, 8), 1), seeded_randn((1, 2, 5, 2, 2), 2)
+    counts = []
+    for _ in range(3):
+        x = DTensor.from_local(shard(full, 1, world, dist.get_rank()).requires_grad_(),
+                               mesh, [Shard(1)], shape=full.shape, stride=full.stride())
+        v = DTensor.from_local(shard(video, 2, world, dist.get_rank()), mesh, [Shard(2)],
+                               shape=video.shape, stride=video.stride())
+        with counted_collectives(by_dtype=True) as calls:
+            y = model["mha"](x, x, x, need_weights=False)[0]
+            model["up"](v)
+        y.to_local().sum().backward()
+        counts.append(dict(calls))
+    return counts
+
+
+class _TimeUp(nn.Module):
+    """Keep the first frame, repeat each later one twice."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[:, :, :1], x[:, :, 1:].repeat_interleave(2, dim=2)], dim=2)
+
+
+@pytest.mark.gloo
+def test_steady_state_gloo(gloo: Callable[[int], Any]) -> None:
+    for first, *later in gloo(2).run(mha_steady_state, timeout=120):
+        # first call: the gather's agreement, the halo's, the rule's output lengths
+        assert first["all_gather_single (metadata)"] == 3, first
+        for calls in later:  # the input gather, the halo move
+            assert calls == {"all_gather_single": 1, "all_to_all_single": 1}, calls
 
 
 def _mha_mistake(case: str) -> tuple[str, float]:
