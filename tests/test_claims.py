@@ -333,6 +333,23 @@ def test_multihead_attention_simulated(world: int, length: int, batch_first: boo
         _check_mha(mesh, world, length, batch_first, need_weights, average, bias_kv)
 
 
+@pytest.mark.simulated
+def test_multihead_attention_inference() -> None:
+    """Eval under no_grad, where one device takes torch's fused fast path (another kernel:
+    same tolerance); the sharded call never does (it would attend locally): it raises if
+    F.multi_head_attention_forward is not called."""
+    full = seeded_randn((2, 7, 8), 1)
+    mha = _mha(5, batch_first=True).eval()
+    with single_device(), torch.no_grad():
+        y_ref = copy.deepcopy(mha)(full, full, full)[0]
+    with simulated_mesh(3) as mesh, torch.no_grad():
+        parallelize_module(mha, mesh, AttentionParallel(dim=1))
+        x = DTensor.from_local(rank_map(mesh, lambda r: shard(full, 1, 3, r)), mesh,
+                               [Shard(1)], shape=full.shape, stride=full.stride())
+        y = mha(x, x, x)[0]
+        assert_close_per_rank(y.to_local(), lambda r: shard(y_ref, 1, 3, r), mesh, **TOL)
+
+
 def on_gloo_mha() -> None:
     world = dist.get_world_size()
     mesh = worker_mesh(world)

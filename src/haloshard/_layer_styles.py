@@ -549,7 +549,6 @@ class _MultiheadForward(_LocalForward):
                      site.length)
         return out, None if weights is None else _weight_rows(weights, q is not x, n, site)
 
-
     def gather(self, site: _Site, problem: str | None) -> torch.Tensor:
         """The input all-gathered along dim. A call refused on some rank sends its input
         in another dtype instead: the ranks' tensors then disagree, so every rank raises
