@@ -1074,12 +1074,13 @@ class FirstFrameParallel(ParallelStyle):
 
     Raises:
         HaloError: for factor < 1 or another direction; in `_apply` for dim < 2 or a
-            module whose rule is known to be another (LTX-Video's and HunyuanVideo's
-            upsamplers: the error names their style); at the first call, for a conv or
-            pooling inside that reads along dim more than the window holds (kernel > 1,
-            other than kernel = stride = factor down; `factor + 1` with a `local` rule); at
-            run time for an even T with even=None, or when the module's output on its
-            window does not have the rule's length.
+            module that is or holds one whose rule is known to be another (LTX-Video's and
+            HunyuanVideo's upsamplers: the error names their style); at the first call,
+            for a conv or pooling inside that reads along dim more than the window holds
+            (kernel > 1, other than kernel = stride = factor down; `factor + 1` with a
+            `local` rule); at run time for an even T with even=None, or when the module's
+            output on its window does not have the rule's length (on any rank: every rank
+            raises).
 
     Example::
         >>> parallelize_module(vae, mesh, {"encoder.down_t": FirstFrameParallel(2, "down")})
@@ -1103,11 +1104,13 @@ class FirstFrameParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_dim(module, self.dim, "FirstFrameParallel")
-        fitting = _FITTING_STYLE.get(type(module).__name__)
-        if fitting is not None:
-            raise HaloError(f"FirstFrameParallel does not know {type(module).__name__}'s rule "
-                            "along T (a causal conv beside the resampling reads more than "
-                            f"one frame of context); use {fitting}")
+        for fqn, inner in module.named_modules():
+            fitting = _FITTING_STYLE.get(type(inner).__name__)
+            if fitting is not None:
+                where = f" (at {fqn})" if fqn else ""
+                raise HaloError(f"FirstFrameParallel does not know {type(inner).__name__}'s "
+                                f"rule along T{where}: a causal conv beside the resampling "
+                                f"reads more than one frame of context; use {fitting}")
         run = _FirstFrameRun(self.stencil, self.dim, self.local, _kernels(module, self.dim),
                              type(module).__name__)
         attach(module, Annotation(None, self.dim, self.stencil), device_mesh, local=run)
