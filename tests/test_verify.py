@@ -58,11 +58,11 @@ def case_toy(mesh: Any) -> None:
     assert isinstance(report, PlanReport) and report.ok, report
     assert {d.fqn for d in report.outputs} == {"conv_in", "norm", "causal", "proj", ""}
     assert "plan ok" in str(report)
-    # per-frame statistics where GroupNorm needs all frames: its output is the first to differ
+    # per-frame statistics where GroupNorm needs all frames: LocalParallel refuses it
     wrong = {**plan, "norm": LocalParallel()}
     report = verify_plan(model, wrong, x, mesh, **TOL)
-    assert not report.ok and report.first is not None
-    assert (report.first.fqn, report.first.kind) == ("norm", "output"), report
+    assert not report.ok and report.error_fqn == "norm", report
+    assert "normalizes over every spatial dim" in str(report.error), report
     # a causal wrapper run per shard pads every shard's first frame: wrong from there
     wrong = {**plan, "causal": LocalParallel()}
     report = verify_plan(model, wrong, x, mesh, **TOL)
@@ -90,9 +90,9 @@ def test_verify_cp_axis_of_2d_mesh() -> None:
     model, x, plan = toy(2)
     with simulated_mesh((2, 3), mesh_dim_names=("dp", "cp")) as mesh:
         assert verify_plan(model, plan, x, mesh, mesh_axis="cp", **TOL).ok
-        report = verify_plan(model, {**plan, "norm": LocalParallel()}, x, mesh,
+        report = verify_plan(model, {**plan, "causal": LocalParallel()}, x, mesh,
                              mesh_axis="cp", **TOL)
-    assert report.first is not None and report.first.fqn == "norm", report
+    assert report.first is not None and report.first.fqn == "causal", report
 
 
 class Backward(torch.autograd.Function):

@@ -40,7 +40,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
-from haloshard import _segments
+from haloshard import _comm, _segments
 from haloshard._attention import gather_many, sdpa
 from haloshard._compat import (
     LocalTensor,
@@ -50,6 +50,7 @@ from haloshard._compat import (
     tree_unflatten,
 )
 from haloshard._errors import HaloError
+from haloshard._exchange import Reuse
 from haloshard._forward import (
     ENCLOSING,
     ShardedForward,
@@ -83,6 +84,7 @@ from haloshard._specs import (
     ConvStencil,
     ResampleStencil,
     Stencil,
+    WindowPlan,
     conv_padding,
     derive_stencil,
     known_forward,
@@ -124,6 +126,7 @@ class _LocalForward(ShardedForward):
 
     def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
         x, n = site.local, site.local.shape[self.dim]
+        _refuse_mixing(self.module, self.dim, x.ndim, self.style)
         # An empty chunk (T < P) runs as one zero slice, dropped after: convs and pooling
         # refuse empty inputs. Per-rank counts (LocalTensorMode) cannot be tested: pad by
         # what each rank lacks, zero mostly.
@@ -162,6 +165,47 @@ def _equal_chunks(x: torch.Tensor, dim: int, site: _Site) -> torch.Tensor:
     return torch.empty(shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
+# torch modules whose output slice along some dim reads other slices along it, which a
+# per-slice style would silently compute from this rank's slices only
+_NORMS_OVER_SPATIAL = (nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+_SEQUENCE_MODELS = (nn.MultiheadAttention, nn.RNNBase, nn.TransformerEncoderLayer,
+                    nn.TransformerDecoderLayer, nn.TransformerEncoder, nn.TransformerDecoder,
+                    nn.Transformer)
+_SOFTMAXES = (nn.Softmax, nn.LogSoftmax, nn.Softmin)
+
+
+def _mixing(module: nn.Module, dim: int, ndim: int | None) -> str | None:
+    """Why `module` (a torch class) does not treat slices along `dim` alone, or None. With
+    `ndim` None (at `_apply`) only what needs no input rank is decided."""
+    if isinstance(module, _NORMS_OVER_SPATIAL):
+        return "normalizes over every spatial dim (use GroupNormParallel for nn.GroupNorm)"
+    if isinstance(module, _SEQUENCE_MODELS):
+        batch = 0 if getattr(module, "batch_first", False) else 1
+        if dim != batch or not hasattr(module, "batch_first"):
+            return ("mixes its sequence (nn.MultiheadAttention takes AttentionParallel); "
+                    f"only its batch dim {batch} is per-slice where batch_first says so")
+    if isinstance(module, _SOFTMAXES) and module.dim is not None and (
+            module.dim == dim or (ndim is not None and module.dim % ndim == dim)):
+        return f"normalizes along its dim {module.dim}"
+    if ndim is None:
+        return None
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        first = ndim - len(module.normalized_shape)
+        if dim >= first:
+            return f"normalizes over dims {first}..{ndim - 1}"
+    if isinstance(module, (nn.Linear, nn.Bilinear)) and dim == ndim - 1:
+        return "mixes its last dim (its features)"
+    return None
+
+
+def _refuse_mixing(module: nn.Module, dim: int, ndim: int | None, style: str) -> None:
+    reason = _mixing(module, dim, ndim)
+    if reason is not None:
+        raise HaloError(f"{style} runs a module on this rank's slices along dim {dim} alone, "
+                        f"but {type(module).__name__} {reason}; expected a module that "
+                        "treats each slice alone")
+
+
 def _check_dim(module: nn.Module, dim: int, style: str, *, least: int = 2) -> None:
     if dim < least:
         after = "batch" if least == 1 else "batch and channels"
@@ -185,8 +229,12 @@ class LocalParallel(ParallelStyle):
             `Shard(dim)`; output `Shard(dim)` or `Replicate()`; the local tensor out).
 
     Raises:
-        HaloError: in `_apply` for dim < 2 or a module that already has a style; at run
-            time when the module changes the length of `dim` (it is not per-slice).
+        HaloError: in `_apply` for dim < 1 (dim < 2 for the subclasses), a module that
+            already has a style, or a torch module known to mix slices along dim (GroupNorm
+            and InstanceNorm, attention, RNN and transformer layers other than along their
+            batch dim, a softmax along dim); at run time when the module changes the length
+            of `dim` (it is not per-slice), or for a LayerNorm / RMSNorm normalizing over
+            dim, or a Linear on its last dim.
 
     Example::
         >>> parallelize_module(model, mesh, {"encoder.*.skip": LocalParallel()})
@@ -195,6 +243,7 @@ class LocalParallel(ParallelStyle):
     """
 
     forward_type: type[_LocalForward] = _LocalForward
+    per_slice = True  # runs the module on local slices alone (not a global-statistics style)
 
     def __init__(self, *, dim: int = 2, local_dims: tuple[int, ...] = (),
                  input_layouts: Placement | None = None,
@@ -214,6 +263,8 @@ class LocalParallel(ParallelStyle):
         # per-token `(B, T, C)` linears.
         least = 1 if type(self) is LocalParallel else 2
         _check_dim(module, self.dim, type(self).__name__, least=least)
+        if self.per_slice:
+            _refuse_mixing(module, self.dim, None, type(self).__name__)
         if isinstance(module, DERIVABLE) and not isinstance(self, GroupNormParallel):
             stencil = derive_stencil(module, self.dim)
             if stencil != ConvStencil(span=1):
@@ -221,10 +272,13 @@ class LocalParallel(ParallelStyle):
                                 f"{type(module).__name__} reads {stencil} along dim "
                                 f"{self.dim}; use HaloParallel for it")
 
+    def _forward_type(self, module: nn.Module) -> type[_LocalForward]:
+        return self.forward_type
+
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module)
-        forward = self.forward_type(module, self.dim, device_mesh)
+        forward = self._forward_type(module)(module, self.dim, device_mesh)
         forward.local_dims = self.local_dims + _per_slice_dims(module, self.dim)
         install(module, forward)
         output_layouts(module, self.dim, self.output_layouts, self.use_local_output)
@@ -307,6 +361,7 @@ class GroupNormParallel(LocalParallel):
     """
 
     forward_type = _GroupNormForward
+    per_slice = False
 
     def _validate(self, module: nn.Module) -> None:
         if not isinstance(module, nn.GroupNorm):
@@ -340,6 +395,12 @@ class _TokenAttention(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             self.calls += 1
             return self._attend(*args, **kwargs)
+        if func is F.multi_head_attention_forward:
+            # its SDPA call runs inside it, where this mode does not see it
+            raise HaloError("the block calls F.multi_head_attention_forward (an "
+                            "nn.MultiheadAttention inside it), whose attention this block's "
+                            "AttentionParallel cannot see; give that nn.MultiheadAttention "
+                            "its own AttentionParallel entry, with dim its sequence dim")
         if func is F.group_norm and args[0].ndim == self.site.local.ndim:
             raise HaloError("an attention block's F.group_norm over (C, T, H, W) would use "
                             "this rank's frames only; give that nn.GroupNorm its own "
@@ -437,6 +498,150 @@ class _AttentionForward(_LocalForward):
                         "window, not a shard")
 
 
+# ---------------------------------------------------------------- nn.MultiheadAttention
+class _FullKeys(TorchFunctionMode):
+    """Inside `nn.MultiheadAttention.forward` on a chunk of the sequence: its one
+    `F.multi_head_attention_forward` call takes the whole sequence as key and value.
+
+    A mode cannot see the SDPA call inside that function (a mode is off while it handles a
+    call, and the function is handled as one), so the call is replaced whole: the local
+    queries attend over every position, projected from the gathered input by the module's
+    own weights, as on one device (bias_k, bias_v and add_zero_attn append once).
+    """
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.calls = keys, 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is F.multi_head_attention_forward:
+            self.calls += 1
+            return func(args[0], self.keys, self.keys, *args[3:], **kwargs)
+        return func(*args, **kwargs)
+
+
+class _MultiheadForward(_LocalForward):
+    """`nn.MultiheadAttention` self-attention on a `Shard(dim)` chunk of its sequence: the
+    input all-gathered along dim, each rank's queries over every key.
+
+    Forward: `(N, L_r, E)` queries, `(N, L, E)` keys and values -> `(N, L_r, E)` (and the
+    attention weights' rows, `(N, L_r, L)`). Backward: the gather's adjoint, a
+    reduce-scatter of the keys' and values' input gradient, added to the queries'.
+    """
+
+    style = "AttentionParallel"
+
+    def fresh(self) -> None:
+        self.agreed: dict[Any, Any] = {}
+
+    def site(self, x: torch.Tensor) -> _Site:
+        if isinstance(x, DTensor):  # the sequence on one axis; Replicate or batch elsewhere
+            return _dtensor_site(x, self.dim)
+        return _site(x, self.dim, self.mesh)
+
+    def sharded(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
+                attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> Any:
+        problem = _mha_problem(self.module, query, key, value, key_padding_mask, attn_mask,
+                               is_causal)
+        site = self.site(query)
+        x, n = site.local, site.local.shape[self.dim]
+        full = self.gather(site, problem)
+        # simulated ranks: equal lengths; an empty chunk: one spare query (outputs dropped)
+        q = (_equal_chunks(x, self.dim, site) if isinstance(n, torch.SymInt)
+             else with_spare_slice(x, self.dim) if n == 0 else x)
+        mode = _FullKeys(full.transpose(0, 1) if self.dim == 1 else full)
+        with mode:
+            out, weights = self.original(q, q, q, need_weights=need_weights,
+                                         average_attn_weights=average_attn_weights)
+        if mode.calls != 1:
+            raise HaloError(f"AttentionParallel expects nn.MultiheadAttention.forward to "
+                            f"call F.multi_head_attention_forward once, it called it "
+                            f"{mode.calls} times")
+        out = rewrap(out.narrow(self.dim, 0, n) if q is not x else out, site, self.dim,
+                     site.length)
+        return out, None if weights is None else _weight_rows(weights, q is not x, n, site)
+
+    def gather(self, site: _Site, problem: str | None) -> torch.Tensor:
+        """The input all-gathered along dim. A call refused on some rank sends its input
+        in another dtype instead: the ranks' tensors then disagree, so every rank raises
+        in the gather at once, rather than the others waiting for this rank."""
+        x = site.local
+        reuse = None if site.placements is None else (self.agreed, (
+            site.shape, site.placements, id(site.mesh), x.dtype, x.requires_grad,
+            torch.is_grad_enabled()))
+        if problem is not None:
+            x = x.detach().to(torch.float32 if x.dtype == torch.float64 else torch.float64)
+        try:
+            (full,) = gather_many((x,), self.dim, (site.mesh, site.axis),
+                                  global_length=site.length, reuse=reuse)
+        except HaloError:
+            if problem is not None:
+                raise HaloError(problem) from None
+            raise
+        if problem is not None:  # refused on every rank alike
+            raise HaloError(problem)
+        return full
+
+
+def _weight_rows(w: torch.Tensor, padded: bool, n: Any, site: _Site) -> Any:
+    """This rank's rows of the attention weights `(N, [heads,] L, L)`: `Shard` on their
+    query dim where the input was sharded along its sequence."""
+    rows = w.ndim - 2
+    w = w.narrow(rows, 0, n) if padded else w
+    if site.placements is None:
+        return w
+    batch = site.shape[0 if site.dim == 1 else 1]
+    shape = (batch, *w.shape[1:rows], site.length, w.shape[-1])
+    placements = [Shard(rows) if p == Shard(site.dim) else p for p in site.placements]
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(w, site.mesh, placements, run_check=False, shape=shape,
+                              stride=stride)
+
+
+def _mha_problem(module: nn.Module, query: Any, key: Any, value: Any,
+                 key_padding_mask: Any, attn_mask: Any, is_causal: bool) -> str | None:
+    """What the sharded self-attention does not implement in this call, or None: it takes
+    the same batched tensor as query, key and value; no masks (a mask's columns would have
+    to be agreed as global); no dropout in training (its draws would differ from one
+    device's)."""
+    if not (query is key and key is value):
+        return ("AttentionParallel runs nn.MultiheadAttention as self-attention on a sharded "
+                "sequence: expected mha(x, x, x) with one tensor, got different query, key "
+                "and value")
+    if not isinstance(query, torch.Tensor):
+        return None  # the site refuses it, on every rank
+    if query.ndim != 3:
+        return (f"AttentionParallel expects a batched nn.MultiheadAttention input (3-D), "
+                f"got {query.ndim}-D")
+    if key_padding_mask is not None or attn_mask is not None or is_causal:
+        return (f"AttentionParallel supports nn.MultiheadAttention without masks, got "
+                f"key_padding_mask={key_padding_mask is not None}, attn_mask="
+                f"{attn_mask is not None}, is_causal={is_causal}")
+    if module.training and module.dropout > 0:
+        return (f"AttentionParallel cannot run nn.MultiheadAttention's dropout "
+                f"(p={module.dropout}) in training: its draws would not be one device's; "
+                "expected eval() or dropout=0")
+    return None
+
+
+def _check_mha(module: nn.Module, dim: int, local_dims: tuple[int, ...]) -> None:
+    """An `nn.MultiheadAttention` running torch's own forward, sharded along its sequence
+    dim: 1 with batch_first, else 0."""
+    if "forward" in module.__dict__ or type(module).forward is not nn.MultiheadAttention.forward:
+        raise HaloError(f"AttentionParallel knows nn.MultiheadAttention's own forward; "
+                        f"{type(module).__name__} has a forward of its own")
+    expected = 1 if module.batch_first else 0
+    if dim != expected or local_dims:
+        raise HaloError(f"AttentionParallel shards nn.MultiheadAttention (batch_first="
+                        f"{module.batch_first}) along its sequence dim {expected}, got "
+                        f"dim={dim}, local_dims={local_dims}; expected dim={expected} and no "
+                        "local_dims")
+
+
 class AttentionParallel(LocalParallel):
     """A block that attends over all T*H*W tokens of a `Shard(T)` input: K/V all-gathered.
 
@@ -458,21 +663,49 @@ class AttentionParallel(LocalParallel):
     A VAE puts this block at the lowest resolution, where K/V are a small share of the peak
     (see benchmarks/vae_memory.py); ring attention would remove it, at more code.
 
+    torch's `nn.MultiheadAttention` (its own forward) is supported as self-attention
+    `mha(x, x, x)` sharded along its sequence dim (`dim=1` with batch_first, else 0), no
+    masks, no dropout in training: the input is all-gathered along the sequence and each
+    rank's queries attend over all of it through the module's own
+    `F.multi_head_attention_forward` (the attention weights, if asked for, come back as
+    this rank's rows, sharded on their query dim). Exact, forward and backward.
+
     Args:
-        dim: the sharded dim (T) of the block's `(B, C, T, H, W)` input.
+        dim: the sharded dim (T) of the block's `(B, C, T, H, W)` input; for
+            `nn.MultiheadAttention`, its sequence dim.
 
     Raises:
-        HaloError: at run time when the block calls SDPA other than once, with a mask,
-            dropout or causal flag, or over tokens that are not its T*H*W positions.
+        HaloError: in `_apply` for dim < 2 (a block) or, for `nn.MultiheadAttention`, a dim
+            other than its sequence dim or a forward of its own; at run time when the block
+            calls SDPA other than once, with a mask, dropout or causal flag, over tokens
+            that are not its T*H*W positions, or calls `F.multi_head_attention_forward`
+            (an inner `nn.MultiheadAttention` needs its own entry); for
+            `nn.MultiheadAttention`, a call other than `mha(x, x, x)` without masks, or
+            dropout in training.
 
     Example::
         >>> parallelize_module(vae, mesh, {"encoder.mid.attn": AttentionParallel(),
         ...                                "encoder.mid.attn.norm": GroupNormParallel()})
         >>> vae.encoder.mid.attn(x).placements  # x: Shard(2), (1, 32, 5, 8, 8)
         (Shard(dim=2),)
+        >>> parallelize_module(mha, mesh, AttentionParallel(dim=1))  # batch_first
+        >>> mha(x, x, x, need_weights=False)[0].placements  # x: Shard(1), (2, 13, 16)
+        (Shard(dim=1),)
     """
 
     forward_type = _AttentionForward
+    per_slice = False
+
+    def _validate(self, module: nn.Module) -> None:
+        if isinstance(module, nn.MultiheadAttention):
+            _check_mha(module, self.dim, self.local_dims)
+        else:
+            super()._validate(module)
+
+    def _forward_type(self, module: nn.Module) -> type[_LocalForward]:
+        if isinstance(module, nn.MultiheadAttention):
+            return _MultiheadForward
+        return self.forward_type
 
 
 # ---------------------------------------------------------------- temporal resampling
@@ -502,6 +735,14 @@ def _one_conv(module: nn.Module, dim: int) -> nn.Conv1d:
         raise HaloError(f"CausalConvParallel expects a wrapper around exactly one conv, "
                         f"{type(module).__name__} holds {len(convs)}")
     conv = convs[0]
+    # Anything else inside would run on the window, halo slices included: a norm's
+    # statistics would count them; only the conv and modules holding it are known.
+    others = [f"{fqn} ({type(m).__name__})" for fqn, m in module.named_modules()
+              if m is not conv and not any(c is conv for c in m.modules())]
+    if others:
+        raise HaloError(f"CausalConvParallel expects a wrapper around exactly one conv and "
+                        f"nothing else, {type(module).__name__} also holds {others}; plan "
+                        "those modules and the conv separately")
     si = spatial_index(conv, dim)
     if any(conv_padding(conv)[si]):
         raise HaloError(f"CausalConvParallel expects the wrapped conv to have no padding "
@@ -525,8 +766,9 @@ class CausalConvParallel(ParallelStyle):
         dim: the sharded dim.
 
     Raises:
-        HaloError: in `_apply`, for a module that does not hold exactly one conv with no
-            padding of its own along dim; at run time, when the wrapper pads otherwise.
+        HaloError: in `_apply`, for a module that does not hold exactly one conv (and no
+            other module) with no padding of its own along dim; at run time, when the
+            wrapper pads otherwise.
 
     Example::
         >>> down = CausalConv3d(8, 8, kernel=3, stride=2)  # F.pad (2, 0) replicate, then conv
@@ -660,16 +902,175 @@ class Parity:
         return i0, i1 + ((i1 - i0) % 2 != self.parity), offset
 
 
+# Classes whose rule along T is not "keep the first frame, resample the rest" (a causal
+# conv before or after the resampling), and the style that implements theirs.
+_FITTING_STYLE = {
+    "LTXVideoUpsampler3d": "LTXUpsamplerParallel (haloshard.integrations.diffusers)",
+    "HunyuanVideoUpsampleCausal3D": "HunyuanUpsampleParallel (haloshard.integrations.diffusers)",
+}
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """A conv or pooling inside a resampler: where it is and what it reads along dim."""
+
+    fqn: str
+    kind: str
+    rank: int  # spatial dims: it reads dim only on inputs of rank + 2 dims
+    kernel: int
+    stride: int
+    padding: int
+
+
+def _kernels(module: nn.Module, dim: int) -> tuple[_Kernel, ...]:
+    """The convs and poolings inside `module` with a kernel dim at `dim`, as plain data (a
+    deep copy of the model shares the style's run rule, which must not hold modules)."""
+    found = []
+    for fqn, m in module.named_modules():
+        rank = _SPATIAL.get(type(m)) or next(
+            (n for cls, n in _SPATIAL.items() if isinstance(m, cls)), None)
+        if rank is None or not 2 <= dim < rank + 2:
+            continue
+        found.append(_Kernel(fqn or "<module>", type(m).__name__, rank,
+                             *(_along(v, dim - 2) for v in
+                               (m.kernel_size, m.stride or m.kernel_size, m.padding))))
+    return tuple(found)
+
+
+def _along(value: int | str | tuple[int, ...], i: int) -> int:
+    """A kernel attribute's entry for spatial index i; string paddings: "valid" is 0,
+    "same" counts as padding (it pads whenever the kernel is longer than 1)."""
+    if isinstance(value, str):
+        return 0 if value == "valid" else 1
+    return int(value if isinstance(value, int) else value[i])
+
+
+def _reads_beyond(k: _Kernel, stencil: FirstFrameStencil, own_rule: bool) -> bool:
+    """Whether a kernel along dim reads frames the window does not hold: only per-frame
+    kernels and, down, a kernel pooling exactly each group (kernel = stride = factor, no
+    padding) fit; with a `local` rule of its own (Wan's cached path) the window's
+    throw-away first frame is the group's context, so `factor + 1` frames fit too."""
+    if k.kernel == 1:  # per frame (a padding would change the length: checked after)
+        return False
+    f = stencil.factor
+    if stencil.direction != "down" or k.stride != f or k.padding:
+        return True
+    return k.kernel > (f + 1 if own_rule else f)
+
+
+@dataclass(frozen=True)
+class _Meeting:
+    """Where a call's ranks meet: their group (mesh, axis) and the call's global signature."""
+
+    group: Any
+    key: Any
+
+
+class _FirstFrameRun:
+    """How a `FirstFrameParallel` module runs on its window: checked, then as given.
+
+    The window holds one input frame before the first group the rank's outputs read (a
+    throw-away first frame), nothing more: a conv or pooling along dim that reads further
+    would read the window's own padding instead of the neighbours' frames (wrong numbers),
+    so it raises at the first call (when the input's rank tells which kernels run along
+    dim), on every rank alike. The module's output on its window must also have the rule's
+    length; windows differ by rank, so that is agreed once per input signature (a small
+    gather): a module off the rule on one rank's window raises on every rank at once.
+    """
+
+    def __init__(self, stencil: FirstFrameStencil, dim: int, local: LocalRun | None,
+                 kernels: tuple[_Kernel, ...], name: str) -> None:
+        self.stencil, self.dim, self.local = stencil, dim, local
+        self.kernels, self.name = kernels, name
+        self.meet: _Meeting | None = None  # set by the halo forward before each run
+        self.agreed: set[Any] = set()  # signatures whose output lengths were agreed
+
+    def __call__(self, forward: Any, window: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.check_kernels(window.ndim)
+        y = (forward(window, *args, **kwargs) if self.local is None
+             else self.local(forward, window, *args, **kwargs))
+        out = y[0] if isinstance(y, tuple) and y else y
+        got = out.shape[self.dim] if isinstance(out, torch.Tensor) else -1
+        self.check_length(window, got)
+        return y
+
+    def check_kernels(self, ndim: int) -> None:
+        own_rule = self.local is not None
+        bad = [k for k in self.kernels
+               if k.rank + 2 == ndim and _reads_beyond(k, self.stencil, own_rule)]
+        if bad:
+            k = bad[0]
+            raise HaloError(
+                f"FirstFrameParallel({self.stencil.factor}, {self.stencil.direction!r}) runs "
+                f"{self.name} on windows holding one input frame of context, but its {k.fqn} "
+                f"({k.kind}) reads kernel {k.kernel}, stride {k.stride}, padding {k.padding} "
+                f"along dim {self.dim}; expected kernel 1 (or, down, kernel = stride = "
+                "factor): give the module a stencil of its own (HaloParallel(stencil)) or "
+                "plan that conv on its own")
+
+    def check_length(self, window: torch.Tensor, got: Any) -> None:
+        length, meet = window.shape[self.dim], self.meet
+        if meet is None or not _comm.is_eager(window) or meet.key in self.agreed:
+            # simulated or compiled, or agreed before: each rank checks its own
+            _check_rule_length(got, length, self.stencil, self.dim, None)
+            return
+        rows = _comm.gather_ints(torch.tensor([got, length]), _comm.resolve_group(meet.group),
+                                 what="check of the first-frame rule's output lengths")
+        for rank, (got_r, length_r) in enumerate(rows):
+            _check_rule_length(got_r, length_r, self.stencil, self.dim, rank)
+        self.agreed.add(meet.key)
+
+
+class _FirstFrameForward(_HaloForward):
+    """The halo forward of a `FirstFrameParallel` module: it tells the module's run rule
+    where each call's ranks meet."""
+
+    def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
+                       **kwargs: Any) -> Any:
+        self.meet(site)
+        return super().exchange_first(site, plan, reuse, *args, **kwargs)
+
+    def several(self, site: _Site, *args: Any, **kwargs: Any) -> Any:
+        self.meet(site)
+        return super().several(site, *args, **kwargs)
+
+    def meet(self, site: _Site) -> None:
+        assert isinstance(self.local, _FirstFrameRun)
+        self.local.meet = _Meeting((site.mesh, site.axis), self.reuse(site)[1])
+
+
+@maybe_run_for_local_tensor
+def _check_rule_length(got: int, length: int, stencil: FirstFrameStencil, dim: int,
+                       rank: int | None) -> None:
+    """The module's output length on a window of `length` frames must be the rule's: the
+    first frame kept and the rest resampled, or, with even="all" and an even window,
+    every frame resampled (the module branches on its input's parity)."""
+    f = stencil.factor
+    if stencil.even == "all" and length % 2 == 0:
+        expected = length // f if stencil.direction == "down" else length * f
+    else:
+        expected = stencil.out_length(length)
+    if got != expected:
+        where = "" if rank is None else f" on rank {rank}"
+        raise HaloError(
+            f"FirstFrameParallel({f}, {stencil.direction!r}, even={stencil.even!r}) expects "
+            f"{expected} slices along dim {dim} from a window of {length}{where} (the first "
+            f"frame kept, the rest resampled by {f}), the module returned {got}: it does "
+            "not follow that rule")
+
+
 class FirstFrameParallel(ParallelStyle):
     """A module that keeps the first frame and resamples the rest along T, exact on Shard(T).
 
-    Covers the temporal down- and upsamplers of CogVideoX, HunyuanVideo and Mochi style VAEs:
-    `down` pools each group of `factor` frames after the first (any pooling or conv that
-    maps `1 + n * factor` frames to `1 + n`), `up` repeats each frame after the first
-    `factor` times. The module itself runs unedited on a window of its input; only the
+    Covers CogVideoX-style temporal down- and upsamplers: `down` pools each group of
+    `factor` frames after the first (any pooling, or a conv of kernel = stride = factor
+    along T, that maps `1 + n * factor` frames to `1 + n`), `up` repeats each frame after
+    the first `factor` times; any other layer inside works frame by frame. The module itself
+    runs unedited on a window of its input holding one input frame of context; only the
     outputs this rank owns are kept. Any odd length T is exact (down drops the
     `(T - 1) % factor` trailing frames, as the module does on one device); for an even T the
-    module's own rule must be declared with `even`.
+    module's own rule must be declared with `even`. A resampler with a temporal conv that
+    reads more context (LTX-Video's upsampler, HunyuanVideo's) has a style of its own.
 
     Args:
         factor: the temporal factor.
@@ -689,8 +1090,14 @@ class FirstFrameParallel(ParallelStyle):
             with a frame cache: see `haloshard.integrations.diffusers`); None: one call.
 
     Raises:
-        HaloError: for factor < 1 or another direction; at run time for an even T with
-            even=None.
+        HaloError: for factor < 1 or another direction; in `_apply` for dim < 2 or a
+            module that is or holds one whose rule is known to be another (LTX-Video's and
+            HunyuanVideo's upsamplers: the error names their style); at the first call,
+            for a conv or pooling inside that reads along dim more than the window holds
+            (kernel > 1, other than kernel = stride = factor down; `factor + 1` with a
+            `local` rule); at run time for an even T with even=None, or when the module's
+            output on its window does not have the rule's length (on any rank: every rank
+            raises).
 
     Example::
         >>> parallelize_module(vae, mesh, {"encoder.down_t": FirstFrameParallel(2, "down")})
@@ -714,11 +1121,22 @@ class FirstFrameParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_dim(module, self.dim, "FirstFrameParallel")
-        attach(module, Annotation(None, self.dim, self.stencil), device_mesh,
-               local=self.local)
-        forward = module.forward
-        assert isinstance(forward, _HaloForward)
+        for fqn, inner in module.named_modules():
+            fitting = _FITTING_STYLE.get(type(inner).__name__)
+            if fitting is not None:
+                where = f" (at {fqn})" if fqn else ""
+                raise HaloError(f"FirstFrameParallel does not know {type(inner).__name__}'s "
+                                f"rule along T{where}: a causal conv beside the resampling "
+                                f"reads more than one frame of context; use {fitting}")
+        run = _FirstFrameRun(self.stencil, self.dim, self.local, _kernels(module, self.dim),
+                             type(module).__name__)
+        attach(module, Annotation(None, self.dim, self.stencil), device_mesh, local=run)
+        base = module.forward
+        assert isinstance(base, _HaloForward)
+        forward = _FirstFrameForward(module, base.annotation, base.mesh, base.saved,
+                                     base.previous, overlap=False, name=base.name, local=run)
         forward.per_slice = self.local_dims
+        module.forward = forward  # the handle restores base.previous, not this object
         return module
 
 

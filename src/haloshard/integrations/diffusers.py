@@ -127,6 +127,16 @@ def _check_class(module: nn.Module, name: str, style: str) -> None:
         raise HaloError(f"{style} applies to diffusers' {name}, got {type(module).__name__}")
 
 
+def _check_time_dim(dim: int, style: str) -> None:
+    """The styles here implement their module's rule along T (dim 2 of `(B, C, T, H, W)`):
+    first frames, causal masks, depth-to-space along T. Along H that rule would be applied
+    to the wrong axis (wrong numbers, no error), so another dim is refused."""
+    if dim != 2:
+        raise HaloError(f"{style} implements its module's rule along T (dim 2 of (B, C, T, "
+                        f"H, W)) only, got dim={dim}; expected dim=2 (shard H with the "
+                        "generic styles, e.g. HaloParallel for a conv)")
+
+
 # ---------------------------------------------------------------- HunyuanVideo upsampler
 @dataclass(frozen=True)
 class UpCausalStencil:
@@ -165,8 +175,9 @@ class HunyuanUpsampleParallel(ParallelStyle):
     then its `HunyuanVideoCausalConv3d`) runs unedited on a window of its input.
 
     Raises:
-        HaloError: in `_apply` for another class, a non-integer temporal factor, or a conv
-            that is not causal with replicate padding and stride 1 along T.
+        HaloError: in `_apply` for another class, a dim other than 2 (T), a non-integer
+            temporal factor, or a conv that is not causal with replicate padding and stride
+            1 along T.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -179,6 +190,7 @@ class HunyuanUpsampleParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "HunyuanVideoUpsampleCausal3D", "HunyuanUpsampleParallel")
+        _check_time_dim(self.dim, "HunyuanUpsampleParallel")
         factor, wrapper = module.upsample_factor[0], module.conv
         conv = wrapper.conv
         k, stride, dilation = conv.kernel_size[0], conv.stride[0], conv.dilation[0]
@@ -286,9 +298,9 @@ class HunyuanMidBlockParallel(ParallelStyle):
     rank: the full K and V, and scores for this rank's queries only (`N / P * N` per head).
 
     Raises:
-        HaloError: in `_apply` for another class or an attention this style does not know
-            (another processor, cross attention, extra norms); at run time for a plain
-            tensor input.
+        HaloError: in `_apply` for another class, a dim other than 2 (T), or an attention
+            this style does not know (another processor, cross attention, extra norms); at
+            run time for a plain tensor input.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -301,6 +313,7 @@ class HunyuanMidBlockParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "HunyuanVideoMidBlock3D", "HunyuanMidBlockParallel")
+        _check_time_dim(self.dim, "HunyuanMidBlockParallel")
         for i, attn in enumerate(module.attentions):
             if attn is not None:
                 _check_attention(attn, f"attentions.{i}")
@@ -375,8 +388,8 @@ class CogSpatialNormParallel(ParallelStyle):
     statistics. The returned cache is None (as for the other halo modules).
 
     Raises:
-        HaloError: in `_apply` for another class or convs that are not 1x1x1; at run time for
-            plain-tensor inputs or a conv_cache.
+        HaloError: in `_apply` for another class, a dim other than 2 (T), or convs that
+            are not 1x1x1; at run time for plain-tensor inputs or a conv_cache.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -389,6 +402,7 @@ class CogSpatialNormParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "CogVideoXSpatialNorm3D", "CogSpatialNormParallel")
+        _check_time_dim(self.dim, "CogSpatialNormParallel")
         for name in ("conv_y", "conv_b"):
             conv = getattr(module, name).conv
             if tuple(conv.kernel_size) != (1, 1, 1) or tuple(conv.stride) != (1, 1, 1):
@@ -476,8 +490,8 @@ class MochiBlockParallel(ParallelStyle):
     holds the block's full K and V (`2 * B * T * H * W * C`): all pixels attend along T.
 
     Raises:
-        HaloError: in `_apply` for another class or an attention it does not know; at run
-            time for a plain tensor input or a conv_cache.
+        HaloError: in `_apply` for another class, a dim other than 2 (T), or an attention
+            it does not know; at run time for a plain tensor input or a conv_cache.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -492,6 +506,7 @@ class MochiBlockParallel(ParallelStyle):
         if type(module).__name__ not in ("MochiDownBlock3D", "MochiMidBlock3D"):
             raise HaloError(f"MochiBlockParallel applies to diffusers' MochiDownBlock3D and "
                             f"MochiMidBlock3D, got {type(module).__name__}")
+        _check_time_dim(self.dim, "MochiBlockParallel")
         for i, attn in enumerate(module.attentions):
             if attn is not None:
                 _check_mochi_attention(attn, f"attentions.{i}")
@@ -562,7 +577,7 @@ class MochiUpBlockParallel(ParallelStyle):
     frames) on the window of input frames this rank's output frames come from.
 
     Raises:
-        HaloError: in `_apply` for another class.
+        HaloError: in `_apply` for another class or a dim other than 2 (T).
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -575,6 +590,7 @@ class MochiUpBlockParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "MochiUpBlock3D", "MochiUpBlockParallel")
+        _check_time_dim(self.dim, "MochiUpBlockParallel")
         expand = _MochiExpand(module)
         attach(expand, Annotation(None, self.dim, RepeatStencil(module.temporal_expansion)),
                device_mesh)
@@ -638,7 +654,8 @@ class LTXUpsamplerParallel(ParallelStyle):
     run unedited on a window of its input (`ConvDepthToSpaceStencil`).
 
     Raises:
-        HaloError: in `_apply` for another class or a conv that is not stride 1 along T.
+        HaloError: in `_apply` for another class, a dim other than 2 (T), or a conv that
+            is not stride 1 along T.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -651,6 +668,7 @@ class LTXUpsamplerParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "LTXVideoUpsampler3d", "LTXUpsamplerParallel")
+        _check_time_dim(self.dim, "LTXUpsamplerParallel")
         conv = module.conv
         k, stride = conv.kernel_size[0], conv.conv.stride[0]
         if stride != 1 or conv.conv.dilation[0] != 1:
