@@ -241,7 +241,8 @@ def _length_problem(global_length: object) -> str | None:
 
 
 @maybe_run_for_local_tensor
-def _check_own_length(length: int, lengths: tuple[int, ...], rank: int, dim: int) -> None:
+def _check_own_length(length: int, lengths: tuple[int, ...], rank: int | torch.SymInt,
+                      dim: int) -> None:
     """This rank's chunk against its `Shard` split of the stated global length."""
     if length != lengths[rank]:
         raise HaloError(
@@ -269,10 +270,11 @@ def _index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
 def _plan_tensors(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device,
     held: Held = (0, 0),
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = exchange_plan(rank, lengths, left, right, pad, held)
     idx = (plan.send_idx, plan.self_idx, plan.gather_idx, plan.gather_pick)
-    return tuple(_index(i, device) for i in idx)
+    send, own, gather, pick = (_index(i, device) for i in idx)
+    return send, own, gather, pick
 
 
 @lru_cache(maxsize=1024)

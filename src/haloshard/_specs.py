@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Protocol
+from typing import Protocol, cast
 
 from torch import nn
 
@@ -34,6 +34,7 @@ _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _MAX_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
 _AVG_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
+_POOLS = (*_MAX_POOLS, *_AVG_POOLS)
 _SPATIAL = {cls: n for n, group in enumerate(
     zip(_CONVS, _TRANSPOSED, _MAX_POOLS, _AVG_POOLS, strict=True), start=1) for cls in group}
 # Modules whose halo haloshard derives; anything else needs an explicit HaloShard spec.
@@ -76,9 +77,16 @@ class Stencil(Protocol):
         (2, 6, 0)
     """
 
-    pad: PadMode
-    fill: float | None
-    min_input: int
+    # Read-only properties, not plain attributes: a frozen dataclass (fields or properties)
+    # then satisfies the protocol; a settable member would reject it under a type checker.
+    @property
+    def pad(self) -> PadMode: ...
+
+    @property
+    def fill(self) -> float | None: ...
+
+    @property
+    def min_input(self) -> int: ...
 
     def out_length(self, length: int) -> int: ...
 
@@ -426,16 +434,25 @@ def _conv(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, si: int) -> ConvStencil:
                        pad_right=right, pad=module.padding_mode)
 
 
-def _transposed(module: nn.ConvTranspose1d, si: int) -> TransposeStencil:
+def _transposed(module: nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d,
+                si: int) -> TransposeStencil:
     if module.padding_mode != "zeros":
         raise HaloError(f"{type(module).__name__} supports only padding_mode='zeros', got "
                         f"{module.padding_mode!r}")
     return TransposeStencil(kernel=module.kernel_size[si], stride=module.stride[si],
-                            dilation=module.dilation[si], padding=_along(module.padding, si),
+                            dilation=module.dilation[si], padding=_along(_ints(module), si),
                             output_padding=_along(module.output_padding, si))
 
 
-def _pool(module: nn.Module, si: int) -> ConvStencil:
+def _ints(module: nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
+          ) -> tuple[int, ...]:
+    # torch types `padding` as `str | tuple` for every conv, but a transposed conv's
+    # constructor always stores a tuple (it accepts no padding string).
+    return cast("tuple[int, ...]", module.padding)
+
+
+def _pool(module: nn.MaxPool1d | nn.MaxPool2d | nn.MaxPool3d | nn.AvgPool1d | nn.AvgPool2d
+          | nn.AvgPool3d, si: int) -> ConvStencil:
     name = type(module).__name__
     if module.ceil_mode:
         raise HaloError(f"{name} with ceil_mode=True is not supported (its last window is "
@@ -510,6 +527,7 @@ def derive_stencil(module: nn.Module, dim: int) -> Stencil:
         return _transposed(module, si)
     if isinstance(module, nn.Upsample):
         return _upsample(module, si)
+    assert isinstance(module, _POOLS)  # DERIVABLE holds nothing else
     return _pool(module, si)
 
 
@@ -527,10 +545,11 @@ def local_attrs(module: nn.Module, dim: int) -> dict[str, object]:
     si, n = spatial_index(module, dim), _spatial_dims(module)
     if isinstance(module, _CONVS):
         return _conv_attrs(module, si, n)
-    attrs: dict[str, object] = {"padding": _with(module.padding, si, n, 0)}
     if isinstance(module, _TRANSPOSED):
-        attrs["output_padding"] = _with(module.output_padding, si, n, 0)
-    return attrs
+        return {"padding": _with(_ints(module), si, n, 0),
+                "output_padding": _with(module.output_padding, si, n, 0)}
+    assert isinstance(module, _POOLS)  # DERIVABLE holds nothing else
+    return {"padding": _with(module.padding, si, n, 0)}
 
 
 def _with(value: int | tuple[int, ...], index: int, n: int, new: int) -> tuple[int, ...]:
@@ -539,7 +558,7 @@ def _with(value: int | tuple[int, ...], index: int, n: int, new: int) -> tuple[i
     return tuple(full)
 
 
-def _conv_attrs(module: nn.Conv1d, si: int, n: int) -> dict[str, object]:
+def _conv_attrs(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, si: int, n: int) -> dict[str, object]:
     pairs = conv_padding(module)
     pairs[si] = (0, 0)
     uneven = [i + 2 for i, (lo, hi) in enumerate(pairs) if lo != hi]
