@@ -201,7 +201,9 @@ def gather_along(x: torch.Tensor, dim: int, group: GroupLike, *, global_length: 
         HaloError: on every rank, when any rank's chunk or arguments do not fit.
 
     Example::
-        >>> gather_along(x, 2, mesh, global_length=13).shape  # x: (1, 8, T_r, 4, 4)
+        >>> full = torch.randn(1, 8, 13, 4, 4)  # 4 ranks hold T_r = 4, 4, 4, 1 of 13
+        >>> x = rank_map(mesh, lambda r: shard(full, 2, 4, r))
+        >>> gather_along(x, 2, mesh, global_length=13).shape
         torch.Size([1, 8, 13, 4, 4])
     """
     grp = _comm.resolve_group(group)
@@ -221,7 +223,10 @@ def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *
     collective in steady state; `HaloError` on every rank still).
 
     Example::
+        >>> k = v = rank_map(mesh, lambda r: torch.randn(1, 8, (4, 4, 4, 1)[r], 4, 4))
         >>> k_all, v_all = gather_many((k, v), 2, mesh, global_length=13)
+        >>> k_all.shape
+        torch.Size([1, 8, 13, 4, 4])
     """
     grp = _comm.resolve_group(group)
     tensors = tuple(tensors)
@@ -291,7 +296,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLik
         HaloError: on every rank, when any rank's arguments or chunks do not fit.
 
     Example::
-        >>> attention(q, k, v, mesh, global_length=96).shape  # q: (1, 1, 24, 16) on 4 ranks
+        >>> q = k = v = torch.randn(1, 1, 24, 16)  # each of 4 ranks: 24 of 96 tokens
+        >>> attention(q, k, v, mesh, global_length=96).shape
         torch.Size([1, 1, 24, 16])
     """
     problem = None

@@ -85,8 +85,8 @@ def set_timeout(group: GroupLike, timeout: float | timedelta) -> None:
     so a rank that fails before a halo layer makes the others raise `HaloError` in time.
 
     Example::
-        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-        >>> haloshard.set_timeout(mesh, 60)  # seconds
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        haloshard.set_timeout(mesh, 60)  # seconds
     """
     delta = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
     if delta <= timedelta(0):

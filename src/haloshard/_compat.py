@@ -36,7 +36,7 @@ def check_torch_version(version: str) -> None:
         >>> check_torch_version("2.13.0+cpu")
         >>> check_torch_version("2.14.0")
         Traceback (most recent call last):
-        ImportError: haloshard supports torch 2.13.x, but torch 2.14.0 is installed ...
+        ImportError: haloshard supports torch 2.13.x, but torch 2.14.0 is installed: ...
     """
     found = re.match(r"(\d+)\.(\d+)(?!\d)", str(version))
     if found is None or f"{found[1]}.{found[2]}" != SUPPORTED_TORCH:

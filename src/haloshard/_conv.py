@@ -647,9 +647,11 @@ def halo_conv(
         This rank's `Shard(dim)` chunk of the global convolution's output.
 
     Example::
+        >>> x = rank_map(mesh, lambda r: torch.randn(1, 8, 4, 16, 16))  # T = 16 on 4 ranks
+        >>> w, b = torch.randn(8, 8, 3, 3, 3), torch.randn(8)  # causal along T: left=2
         >>> y = halo_conv(x, w, b, dim=2, left=2, right=0, group=mesh, padding=(0, 1, 1))
-        >>> y.shape  # x: (1, 8, T_r, 16, 16), w: (8, 8, 3, 3, 3)
-        torch.Size([1, 8, T_r, 16, 16])
+        >>> y.shape
+        torch.Size([1, 8, 4, 16, 16])
     """
     problem, args = _conv_problem(x, weight, dim, left, right, stride, padding, dilation)
     move, lengths = prepare_halo(x, left, right, dim, group, pad=pad, transport=transport,

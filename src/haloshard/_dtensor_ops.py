@@ -427,7 +427,10 @@ def install() -> None:
 
     Example::
         >>> install()  # done when the first HaloShard is built
-        >>> F.conv1d(x, w).placements  # x: HaloShard(2, 1, 1) DTensor, w replicated
+        >>> x = distribute_tensor(torch.randn(1, 4, 9), mesh, [Shard(2)])
+        >>> x = redistribute(x, [HaloShard(2, 1, 1)])
+        >>> w = distribute_tensor(torch.randn(4, 4, 3), mesh, [Replicate()])
+        >>> F.conv1d(x, w).placements
         (Shard(dim=2),)
     """
     if _installed:

@@ -695,10 +695,11 @@ def halo_exchange(
             differs from the others in anything but the length of `dim`.
 
     Example::
-        >>> # on 4 ranks, global T = 5 split (2, 2, 1, 0)
-        >>> y = halo_exchange(x, left=2, right=1, dim=2, group=mesh)  # x: (1, 8, T_r, 16, 16)
-        >>> y.shape  # on rank 2
-        torch.Size([1, 8, 4, 16, 16])
+        >>> full = torch.randn(1, 8, 5, 16, 16)  # on 4 ranks T = 5 splits as (2, 2, 1, 0)
+        >>> x = rank_map(mesh, lambda r: shard(full, 2, 4, r))
+        >>> y = halo_exchange(x, left=2, right=1, dim=2, group=mesh)
+        >>> {rank: t.shape[2] for rank, t in per_rank(y).items()}  # 2 + T_r + 1
+        {0: 5, 1: 5, 2: 4, 3: 3}
     """
     left, right, dim, group = _keywords(positional, left, right, dim, group)
     if agreements is not None and (global_length is None or not isinstance(agreements, dict)):
@@ -762,7 +763,7 @@ def widen(
         HaloError: for an unknown transport.
 
     Example::
-        >>> # 4 ranks, global T = 8, x: HaloShard(2, 1, 0) local tensor (1, 8, 3)
+        >>> x = torch.randn(1, 8, 3)  # global T = 8 on 4 ranks, HaloShard(2, 1, 0): 1 + 2
         >>> widen(x, 2, 1, 2, mesh, held=(1, 0), lengths=(2, 2, 2, 2), pad="zeros").shape
         torch.Size([1, 8, 6])
     """

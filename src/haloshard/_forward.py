@@ -169,8 +169,12 @@ class HaloHandle:
     """Undoes `attach`: `remove()` restores the module's forward and padding exactly.
 
     Example::
-        >>> handle = halo_handles(model)["encoder.conv_in"]
+        >>> model = parallelize_module(nn.Sequential(nn.Conv3d(3, 8, 3, padding=1)), mesh,
+        ...                            {"0": HaloParallel()})
+        >>> handle = halo_handles(model)["0"]
         >>> handle.remove()  # the module is as it was before parallelize_module
+        >>> model[0].padding
+        (1, 1, 1)
     """
 
     def __init__(self, module: nn.Module, saved: dict[str, Any], forward: Any) -> None:

@@ -170,7 +170,7 @@ def annotate(module: nn.Module, spec: HaloShard | Stencil | None = None, *, dim:
             halo is attached to it (its padding along `dim` is the halo's while attached).
 
     Example::
-        >>> causal = annotate(CausalConv3d(8, 8, k=3), HaloShard(2, left=2, pad="replicate"))
+        >>> causal = annotate(CausalConv3d(8, k=3), HaloShard(2, left=2, pad="replicate"))
         >>> halo_plan(nn.Sequential(causal))
         {'0': HaloParallel(spec=HaloShard(dim=2, left=2, right=0, pad='replicate'), dim=2)}
     """

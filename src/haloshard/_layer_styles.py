@@ -237,8 +237,8 @@ class LocalParallel(ParallelStyle):
             dim, or a Linear on its last dim.
 
     Example::
-        >>> parallelize_module(model, mesh, {"encoder.*.skip": LocalParallel()})
-        >>> model.encoder.blocks[0].skip(x).placements  # x: Shard(2), (1, 8, 13, 16, 16)
+        >>> skip = parallelize_module(nn.Conv3d(8, 4, 1), mesh, LocalParallel())  # kernel 1
+        >>> skip(distribute_tensor(torch.randn(1, 8, 13, 4, 4), mesh, [Shard(2)])).placements
         (Shard(dim=2),)
     """
 
@@ -355,8 +355,8 @@ class GroupNormParallel(LocalParallel):
         HaloError: in `_apply` for a module that is not `nn.GroupNorm` or dim < 2.
 
     Example::
-        >>> parallelize_module(model, mesh, {"encoder.*.norm*": GroupNormParallel()})
-        >>> model.encoder.blocks[0].norm1(x).placements  # x: Shard(2), (1, 8, 13, 16, 16)
+        >>> norm = parallelize_module(nn.GroupNorm(2, 8), mesh, GroupNormParallel())
+        >>> norm(distribute_tensor(torch.randn(1, 8, 13, 4, 4), mesh, [Shard(2)])).placements
         (Shard(dim=2),)
     """
 
@@ -684,12 +684,14 @@ class AttentionParallel(LocalParallel):
             dropout in training.
 
     Example::
-        >>> parallelize_module(vae, mesh, {"encoder.mid.attn": AttentionParallel(),
-        ...                                "encoder.mid.attn.norm": GroupNormParallel()})
-        >>> vae.encoder.mid.attn(x).placements  # x: Shard(2), (1, 32, 5, 8, 8)
-        (Shard(dim=2),)
-        >>> parallelize_module(mha, mesh, AttentionParallel(dim=1))  # batch_first
-        >>> mha(x, x, x, need_weights=False)[0].placements  # x: Shard(1), (2, 13, 16)
+        parallelize_module(vae, mesh, {"encoder.mid.attn": AttentionParallel(),
+                                       "encoder.mid.attn.norm": GroupNormParallel()})
+        vae.encoder.mid.attn(x).placements  # x: Shard(2); (Shard(dim=2),)
+
+        >>> mha = nn.MultiheadAttention(16, 2, batch_first=True)
+        >>> mha = parallelize_module(mha, mesh, AttentionParallel(dim=1))
+        >>> x = distribute_tensor(torch.randn(2, 13, 16), mesh, [Shard(1)])
+        >>> mha(x, x, x, need_weights=False)[0].placements
         (Shard(dim=1),)
     """
 
@@ -771,10 +773,11 @@ class CausalConvParallel(ParallelStyle):
             wrapper pads otherwise.
 
     Example::
-        >>> down = CausalConv3d(8, 8, kernel=3, stride=2)  # F.pad (2, 0) replicate, then conv
-        >>> parallelize_module(down, mesh, CausalConvParallel())
-        >>> down(x).shape[2]  # x: Shard(2), T = 13
-        7
+        >>> causal = CausalConv3d(8, k=3)  # F.pad (2, 0) replicate, then conv
+        >>> causal = parallelize_module(causal, mesh, CausalConvParallel())
+        >>> x = distribute_tensor(torch.randn(1, 8, 13, 4, 4), mesh, [Shard(2)])
+        >>> causal(x).placements, causal(x).shape[2]
+        ((Shard(dim=2),), 13)
     """
 
     def __init__(self, *, pad: PadMode = "replicate", dim: int = 2) -> None:
@@ -1100,8 +1103,12 @@ class FirstFrameParallel(ParallelStyle):
             raises).
 
     Example::
-        >>> parallelize_module(vae, mesh, {"encoder.down_t": FirstFrameParallel(2, "down")})
-        >>> vae.encoder.down_t(x).shape[2]  # x: Shard(2), T = 9
+        >>> class Down(nn.Module):  # keeps frame 0, averages the others in pairs
+        ...     def forward(self, x):
+        ...         rest = F.avg_pool3d(x[:, :, 1:], (2, 1, 1))
+        ...         return torch.cat([x[:, :, :1], rest], dim=2)
+        >>> down = parallelize_module(Down(), mesh, FirstFrameParallel(2, "down"))
+        >>> down(distribute_tensor(torch.randn(1, 8, 9, 4, 4), mesh, [Shard(2)])).shape[2]
         5
     """
 
@@ -1244,9 +1251,16 @@ class ReplicatedArgsParallel(LocalParallel):
             (a replicated per-sample tensor would not match a batch shard).
 
     Example::
-        >>> plan = {**plan_for(vae.decoder), "": ReplicatedArgsParallel()}
-        >>> parallelize_module(vae.decoder, mesh, plan)
-        >>> vae.decoder(z, temb).placements  # z: Shard(2), temb: a plain (B,) tensor
+        >>> class Block(nn.Module):  # scales each sample's frames by its own temb value
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.conv = nn.Conv3d(8, 8, 3, padding=1)
+        ...     def forward(self, x, temb):
+        ...         return self.conv(x) * temb[:, None, None, None, None]
+        >>> plan = {"": ReplicatedArgsParallel(), "conv": HaloParallel()}
+        >>> block = parallelize_module(Block(), mesh, plan)
+        >>> x = distribute_tensor(torch.randn(2, 8, 13, 4, 4), mesh, [Shard(2)])
+        >>> block(x, torch.ones(2)).placements  # temb: a plain (B,) tensor
         (Shard(dim=2),)
     """
 

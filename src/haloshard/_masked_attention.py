@@ -68,7 +68,8 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gr
         HaloError: when q, k, v are not at least 3-D or differ in shape.
 
     Example::
-        >>> frame_attention(q, q, q, mesh, global_length=9).shape  # q: (1, 2, 3, 16, 4)
+        >>> q = torch.randn(1, 2, 3, 16, 4)  # each of 4 ranks: 3 of 12 frames of 16 tokens
+        >>> frame_attention(q, q, q, mesh, global_length=12).shape
         torch.Size([1, 2, 3, 16, 4])
     """
     if q.ndim < 3 or q.shape != k.shape or k.shape != v.shape:

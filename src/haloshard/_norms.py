@@ -312,9 +312,11 @@ def group_norm(
             number of segments.
 
     Example::
-        >>> y = group_norm(x, 4, gn.weight, gn.bias, gn.eps, mesh)  # x: (2, 8, T_r, 16, 16)
-        >>> y.shape == x.shape
-        True
+        >>> gn = nn.GroupNorm(4, 8)
+        >>> x = torch.randn(2, 8, 3, 16, 16)  # each of 4 ranks: 3 of 12 frames
+        >>> y = group_norm(x, 4, gn.weight, gn.bias, gn.eps, mesh)
+        >>> y.shape
+        torch.Size([2, 8, 3, 16, 16])
     """
     grp = _comm.resolve_group(group)
     seg = None

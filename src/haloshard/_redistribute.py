@@ -220,10 +220,10 @@ def redistribute(dt: DTensor, placements: Sequence[Placement], *,
         HaloError: for a bad placement list or a halo the pad mode cannot fill.
 
     Example::
-        >>> # (dp, cp) mesh of 2 x 2, global x: (4, 8, 7)
-        >>> y = redistribute(x, (Shard(0), HaloShard(2, left=2)))  # x: (Shard(0), Shard(2))
-        >>> y.shape, y.to_local().shape  # on cp rank 0: chunk 4 + halo 2
-        (torch.Size([4, 8, 7]), torch.Size([2, 8, 6]))
+        >>> x = distribute_tensor(torch.randn(4, 8, 7), mesh, [Shard(2)])  # T_r: 2, 2, 2, 1
+        >>> y = redistribute(x, [HaloShard(2, left=2)])
+        >>> y.shape, {rank: t.shape[2] for rank, t in per_rank(y.to_local()).items()}
+        (torch.Size([4, 8, 7]), {0: 4, 1: 4, 2: 4, 3: 3})
     """
     mesh = dt.device_mesh
     src, dst = tuple(dt.placements), _normalize(placements, mesh)

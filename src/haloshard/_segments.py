@@ -50,8 +50,8 @@ def frame_batches(lengths: Sequence[int]) -> Iterator[None]:
             runs at a length no layer mapped the batches to.
 
     Example::
-        >>> with frame_batches((9, 8, 8)):  # CogVideoX's encode of 25 frames
-        ...     h = vae.encoder(x)[0]      # x: Shard(2) DTensor, T = 25
+        with frame_batches((9, 8, 8)):  # CogVideoX's encode of 25 frames
+            h = vae.encoder(x)[0]      # x: Shard(2) DTensor, T = 25
     """
     lengths = tuple(int(n) for n in lengths)
     if not lengths or min(lengths) < 1:

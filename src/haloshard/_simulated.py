@@ -25,8 +25,8 @@ def per_rank(cls: type[_R]) -> Callable[[Callable[..., _R]], Callable[..., _R]]:
     field combined over the ranks.
 
     Example::
-        >>> @per_rank(Window)
-        ... def window(rank: int, plan: WindowPlan) -> Window: ...
+        @per_rank(Window)
+        def window(rank: int, plan: WindowPlan) -> Window: ...
     """
     names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
 

@@ -82,11 +82,11 @@ class HaloParallel(ParallelStyle):
             not fit it, or a module that already has a halo.
 
     Example::
-        >>> plan = {"encoder.conv_in": HaloParallel(), "encoder.*.conv*": HaloParallel()}
-        >>> model = parallelize_module(model, mesh["cp"], plan)
-        >>> y = model(distribute_tensor(x, mesh["cp"], [Shard(2)]))  # x: (1, 3, 17, 32, 32)
-        >>> y.placements, y.shape[2]
-        ((Shard(dim=2),), 17)
+        >>> model = nn.Sequential(nn.Conv3d(3, 8, 3, padding=1), nn.Conv3d(8, 8, 3, padding=1))
+        >>> model = parallelize_module(model, mesh, {"*": HaloParallel()})
+        >>> y = model(distribute_tensor(torch.randn(1, 3, 17, 32, 32), mesh, [Shard(2)]))
+        >>> y.placements, y.shape
+        ((Shard(dim=2),), torch.Size([1, 8, 17, 32, 32]))
     """
 
     def __init__(self, spec: HaloShard | Stencil | None = None, *, dim: int | None = None,
@@ -238,7 +238,12 @@ def halo_handles(model: nn.Module) -> dict[str, HaloHandle]:
     """The handles of every halo attached in `model`, by fqn; `remove()` undoes one.
 
     Example::
-        >>> for handle in halo_handles(model).values():
+        >>> model = parallelize_module(nn.Sequential(nn.Conv3d(3, 8, 3, padding=1)), mesh,
+        ...                            {"0": HaloParallel()})
+        >>> handles = halo_handles(model)
+        >>> list(handles)
+        ['0']
+        >>> for handle in handles.values():
         ...     handle.remove()
     """
     found = ((fqn, handle_of(m)) for fqn, m in model.named_modules())
@@ -308,8 +313,11 @@ def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | N
             frozen on one rank, another dtype) or a gradient does not match its parameter.
 
     Example::
-        >>> loss.backward()
-        >>> reduce_grads(model, mesh, mesh_axis="cp")
+        >>> model = parallelize_module(nn.Sequential(nn.Conv3d(3, 8, 3, padding=1)), mesh,
+        ...                            {"0": HaloParallel()})
+        >>> y = model(distribute_tensor(torch.randn(1, 3, 9, 8, 8), mesh, [Shard(2)]))
+        >>> y.to_local().sum().backward()  # each rank: its frames' share of the gradients
+        >>> reduce_grads(model, mesh)  # now every rank holds the full gradients
     """
     group = _comm.resolve_group(mesh if mesh_axis is None else (mesh, mesh_axis))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -66,8 +66,12 @@ def packed(cu_seqlens: Sequence[int] | torch.Tensor) -> Iterator[tuple[int, ...]
             every rank (ints or a 1-D int tensor; a list or tuple under torch.compile).
 
     Example::
-        >>> with haloshard.packed([0, 5, 12, 16]):
-        ...     y = model(x)  # x: a Shard(2) DTensor of (1, C, 16)
+        >>> model = parallelize_module(nn.Conv1d(4, 4, 3, padding=1), mesh, HaloParallel())
+        >>> x = distribute_tensor(torch.randn(1, 4, 16), mesh, [Shard(2)])  # 3 documents
+        >>> with packed([0, 5, 12, 16]):
+        ...     y = model(x)  # no halo crosses a document boundary
+        >>> y.shape
+        torch.Size([1, 4, 16])
     """
     cu = _as_tuple(cu_seqlens)
     previous, _ACTIVE.value = _ACTIVE.value, cu
@@ -410,11 +414,13 @@ def varlen_conv(
             document its pad mode cannot pad (reflect: shorter than the padding + 1).
 
     Example::
-        >>> # 2 ranks, documents of 3, 2 and 4 slices; causal depthwise kernel 4
+        >>> full = torch.randn(1, 8, 9)  # documents of 3, 2, 4; 4 ranks hold 3, 3, 3, 0
+        >>> x = rank_map(mesh, lambda r: shard(full, 2, 4, r))
+        >>> w, b = torch.randn(8, 1, 4), torch.randn(8)  # causal depthwise kernel 4
         >>> y = varlen_conv(x, w, b, dim=2, cu_seqlens=[0, 3, 5, 9], group=mesh, left=3,
-        ...                 groups=8)  # x: (1, 8, 5) on rank 0, (1, 8, 4) on rank 1
-        >>> y.shape  # on rank 0
-        torch.Size([1, 8, 5])
+        ...                 groups=8)
+        >>> {rank: t.shape[2] for rank, t in per_rank(y).items()}
+        {0: 3, 1: 3, 2: 3, 3: 0}
     """
     grp = _comm.resolve_group(group)
     problem, cu, args = None, (0,), None

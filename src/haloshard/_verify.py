@@ -358,10 +358,12 @@ def verify_plan(
         HaloError: when the single-device run does not return one tensor.
 
     Example::
-        >>> with simulated_mesh(3) as mesh:
-        ...     report = verify_plan(model, {"conv": LocalParallel()}, x, mesh)
-        >>> report.ok, str(report.first)
-        (False, 'output of conv: max abs 0.93, max rel 0.41')
+        >>> model, x = nn.Sequential(CausalConv3d(2)), torch.randn(1, 2, 9, 4, 4)
+        >>> with simulated_mesh(3) as mesh:  # a causal wrapper run per shard: wrong
+        ...     wrong = verify_plan(model, {"0": LocalParallel()}, x, mesh)
+        ...     right = verify_plan(model, {"0": CausalConvParallel()}, x, mesh)
+        >>> wrong.ok, wrong.first.fqn, right.ok
+        (False, '0', True)
     """
     run = run or (lambda m, x: m(x))
     axis = _comm._mesh_axis(mesh, mesh_axis)

@@ -279,10 +279,9 @@ def counted_collectives(*, by_dtype: bool = False) -> Iterator[collections.Count
     `by_dtype`, all-gathers of int64 rows (metadata) count apart from the rest (data).
 
     Example::
-        >>> with counted_collectives(by_dtype=True) as calls:
-        ...     y = model(x)  # a parallelized model after its first call
-        >>> dict(calls)
-        {'all_to_all_single': 3}
+        with counted_collectives(by_dtype=True) as calls:  # in a real process
+            y = model(x)  # a parallelized model after its first call
+        dict(calls)  # {'all_to_all_single': 3}
     """
     calls: collections.Counter[str] = collections.Counter()
     saved = {name: getattr(dist, name) for name in _COLLECTIVES}
@@ -446,8 +445,14 @@ def check_plan(
     `reduce_grads`), for an upstream gradient drawn with `seed`.
 
     Example::
-        >>> check_plan(mesh, vae, wan_decoder_plan(vae), z, 1, run=wan_decode,
-        ...            reference=lambda m, z: m._decode(z).sample)
+        >>> model = nn.Sequential(nn.Conv3d(2, 2, 3, padding=1)).double()
+        >>> full = torch.randn(1, 2, 9, 4, 4, dtype=torch.float64)
+        >>> check_plan(mesh, model, {"0": HaloParallel()}, full, 1)  # passes: returns None
+
+        With a model-specific call and reference (a diffusers VAE: not run here)::
+
+            check_plan(mesh, vae, wan_decoder_plan(vae), z, 1, run=wan_decode,
+                       reference=lambda m, z: m._decode(z).sample)
     """
     import copy
 

@@ -47,9 +47,8 @@ def cogvideox_encode(vae: nn.Module, x: torch.Tensor) -> torch.Tensor:
         HaloError: for another model, or tiling on.
 
     Example::
-        >>> parallelize_module(vae, mesh, plan_for(vae))
-        >>> cogvideox_encode(vae, distribute_tensor(video, mesh, [Shard(2)])).shape[2]
-        7
+        parallelize_module(vae, mesh, plan_for(vae))
+        cogvideox_encode(vae, distribute_tensor(video, mesh, [Shard(2)])).shape[2]  # 7
     """
     _check_vae(vae)
     with frame_batches(_batches(x.shape[2], vae.num_sample_frames_batch_size)):

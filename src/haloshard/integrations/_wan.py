@@ -116,9 +116,8 @@ def wan_encoder_plan(vae: nn.Module) -> dict[str, ParallelStyle]:
         HaloError: for a model that is not Wan 2.1's `AutoencoderKLWan`.
 
     Example::
-        >>> parallelize_module(vae, mesh, wan_encoder_plan(vae))
-        >>> wan_encode(vae, distribute_tensor(video, mesh, [Shard(2)])).placements
-        (Shard(dim=2),)
+        parallelize_module(vae, mesh, wan_encoder_plan(vae))
+        wan_encode(vae, distribute_tensor(video, mesh, [Shard(2)])).placements  # Shard(2)
     """
     _check_vae(vae)
     return {"quant_conv": LocalParallel(), **_plan(vae.encoder, "encoder")}
@@ -134,9 +133,8 @@ def wan_decoder_plan(vae: nn.Module) -> dict[str, ParallelStyle]:
         HaloError: for a model that is not Wan 2.1's `AutoencoderKLWan`.
 
     Example::
-        >>> parallelize_module(vae, mesh, wan_decoder_plan(vae))
-        >>> wan_decode(vae, distribute_tensor(z, mesh, [Shard(2)])).shape[2]  # z: T = 5
-        17
+        parallelize_module(vae, mesh, wan_decoder_plan(vae))
+        wan_decode(vae, distribute_tensor(z, mesh, [Shard(2)])).shape[2]  # z: T = 5; 17
     """
     _check_vae(vae)
     return {"post_quant_conv": LocalParallel(), **_plan(vae.decoder, "decoder")}

@@ -884,10 +884,10 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
             it off), or a layer the plan does not know (named by fqn).
 
     Example::
-        >>> plan = plan_for(vae.decoder)
-        >>> parallelize_module(vae.decoder, mesh, plan)
-        >>> vae.decoder(distribute_tensor(z, mesh, [Shard(2)])).shape  # z: (1, 16, 5, 8, 8)
-        torch.Size([1, 3, 17, 64, 64])
+        plan = plan_for(vae.decoder)
+        parallelize_module(vae.decoder, mesh, plan)
+        vae.decoder(distribute_tensor(z, mesh, [Shard(2)])).shape  # z: (1, 16, 5, 8, 8)
+        # torch.Size([1, 3, 17, 64, 64])
     """
     rules = _PLANS.get(type(module).__name__)
     if type(module).__name__ in ("AutoencoderKLWan", "WanEncoder3d", "WanDecoder3d"):
