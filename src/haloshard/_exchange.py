@@ -12,7 +12,6 @@ from, on its owner.
 from __future__ import annotations
 
 import contextlib
-import warnings
 import zlib
 from collections.abc import Hashable
 from dataclasses import dataclass, fields
@@ -644,11 +643,11 @@ def _route(x: torch.Tensor, left: int, right: int, dim: int, group: Group,
 
 def halo_exchange(
     x: torch.Tensor,
-    *positional: Any,
-    left: int | None = None,
-    right: int | None = None,
-    dim: int | None = None,
-    group: GroupLike | None = None,
+    *,
+    left: int,
+    right: int,
+    dim: int,
+    group: GroupLike,
     pad: str = "zeros",
     transport: str | None = None,
     global_length: int | None = None,
@@ -665,8 +664,6 @@ def halo_exchange(
     Args:
         x: this rank's chunk; the ranks' chunks are `Shard(dim)`'s split of the global tensor
             (uneven and empty chunks included).
-        left, right, dim, group: keyword-only; the positional form of 0.1 still works for
-            one release, with a `DeprecationWarning`.
         left: slices to prepend; may exceed a neighbour's chunk (taken from several ranks).
         right: slices to append.
         dim: the sharded dimension.
@@ -698,7 +695,6 @@ def halo_exchange(
         >>> y.shape  # on rank 2
         torch.Size([1, 8, 4, 16, 16])
     """
-    left, right, dim, group = _keywords(positional, left, right, dim, group)
     if agreements is not None and (global_length is None or not isinstance(agreements, dict)):
         raise HaloError(f"agreements= needs a dict and global_length= (the signature every "
                         f"rank shares), got agreements of type {type(agreements).__name__}, "
@@ -708,26 +704,6 @@ def halo_exchange(
     reuse = None if agreements is None else (agreements, "halo_exchange")
     return exchange(x, left, right, dim, group, pad=pad, transport=transport,
                     global_length=global_length, problem=problem, reuse=reuse)
-
-
-def _keywords(positional: tuple[Any, ...], *named: Any) -> tuple[Any, ...]:
-    """`halo_exchange(x, left, right, dim, group)`, the positional form of 0.1: still taken
-    for one release, with a `DeprecationWarning`."""
-    names = ("left", "right", "dim", "group")
-    if len(positional) > len(names):
-        raise TypeError(f"halo_exchange takes at most {len(names) + 1} positional arguments, "
-                        f"got {len(positional) + 1}")
-    values = [*positional, *named[len(positional):]]
-    for i, (name, value, given) in enumerate(zip(names, values, named, strict=True)):
-        if given is not None and i < len(positional):
-            raise TypeError(f"halo_exchange got {name} both by position and by keyword")
-        if value is None:
-            raise TypeError(f"halo_exchange() missing the keyword argument {name!r}")
-    if positional:
-        warnings.warn("halo_exchange(x, left, right, dim, group) is deprecated: pass "
-                      "halo_exchange(x, left=..., right=..., dim=..., group=...)",
-                      DeprecationWarning, stacklevel=3)
-    return tuple(values)
 
 
 def exchange(
