@@ -23,7 +23,6 @@ rounding may differ in the last bits).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -42,6 +41,7 @@ from haloshard._exchange import (
 )
 from haloshard._layout import with_spare_slice
 from haloshard._specs import halo_supplies_padding
+from haloshard._tracing import planner_cache, surfaces_errors
 
 _conv = torch.ops.aten.convolution.default
 _conv_backward = torch.ops.aten.convolution_backward.default
@@ -104,7 +104,7 @@ class _ConvArgs:
                               False, zeros, self.groups, list(mask))
 
 
-@lru_cache(maxsize=256)
+@planner_cache(256)
 def halo_taps(left: int, right: int, dilation: int, kernel: int
               ) -> tuple[tuple[int, int, int], ...]:
     """Which halo slice each boundary output reads, tap by tap, for a chunk at least
@@ -615,6 +615,7 @@ def _conv_problem(
     return None, args
 
 
+@surfaces_errors
 def halo_conv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, dim: int,
     left: int, right: int, group: GroupLike, stride: int | tuple[int, ...] = 1,

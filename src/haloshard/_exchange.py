@@ -15,7 +15,6 @@ import contextlib
 import zlib
 from collections.abc import Hashable
 from dataclasses import dataclass, fields
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from haloshard._errors import HaloError, raise_rejected
 from haloshard._layout import LENIENT_PADS, PAD_MODES, check_pad_fits, shard_sizes
 from haloshard._plan import HaloFill, Held, Runs, as_runs, exchange_plan, halo_fill
 from haloshard._simulated import per_rank
+from haloshard._tracing import planner_cache, surfaces_errors
 
 TRANSPORTS: tuple[str, ...] = ("all_to_all", "p2p", "allgather")
 _DTYPES = (
@@ -36,8 +36,11 @@ _DTYPES = (
 )
 _MAX_DIMS = 8
 # One row of ints per rank; "length" is the only field allowed to differ between ranks.
+# "global_length" (-1: not given) rides along so that a rank whose stated length differs
+# from the others' raises with them, not alone while they wait in the exchange.
 _FIELDS = ("error", "ndim", "dim", "left", "right", "pad", "transport", "dtype",
-           "requires_grad", "length", *(f"size of dim {i}" for i in range(_MAX_DIMS)))
+           "requires_grad", "length", "global_length",
+           *(f"size of dim {i}" for i in range(_MAX_DIMS)))
 _ERR, _LEN = _FIELDS.index("error"), _FIELDS.index("length")
 # Halo widths and lengths must fit the int64 metadata row (and any index tensor).
 _MAX_INT = 2**62
@@ -99,7 +102,8 @@ def _as_int(value: object) -> int:
 
 
 def _row_values(
-    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str, error: bool
+    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str, error: bool,
+    global_length: int | None,
 ) -> list[int]:
     """This rank's metadata row, one int per `_FIELDS` entry."""
     d = _as_int(dim) % max(x.ndim, 1) if not error else _as_int(dim)
@@ -107,15 +111,17 @@ def _row_values(
     pads = PAD_MODES + LENIENT_PADS
     return [int(error), x.ndim, d, _as_int(left), _as_int(right), _code(pad, pads),
             _code(transport, TRANSPORTS), _dtype_code(x.dtype), int(x.requires_grad),
-            x.shape[d] if not error else -1, *sizes, *[-1] * (_MAX_DIMS - len(sizes))]
+            x.shape[d] if not error else -1, _as_int(global_length), *sizes,
+            *[-1] * (_MAX_DIMS - len(sizes))]
 
 
 @maybe_run_for_local_tensor
 def _meta_row(
-    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str, error: bool
+    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str, error: bool,
+    global_length: int | None,
 ) -> torch.Tensor:
     """`_row_values` as an int64 tensor on `x`'s device, to travel in the agreement."""
-    row = _row_values(x, left, right, dim, pad, transport, error)
+    row = _row_values(x, left, right, dim, pad, transport, error, global_length)
     # A meta tensor's row must still travel (it is flagged as an error).
     device = torch.device("cpu") if x.device.type == "meta" else x.device
     return torch.tensor(row, dtype=torch.int64, device=device)
@@ -177,10 +183,11 @@ def _agree(
             and enabled_local_tensor_mode() is None):
         key = (reuse[1], left, right, pad, dim, global_length, id(group.pg))
         if key in reuse[0]:
-            return (*_reuse_agreed(x, left, right, dim, pad, transport, group,
+            return (*_reuse_agreed(x, left, right, dim, pad, transport, group, global_length,
                                    reuse[0][key], problem), True)
     if isinstance(x, torch.Tensor):
-        row = _meta_row(x, left, right, dim, pad, transport, problem is not None)
+        row = _meta_row(x, left, right, dim, pad, transport, problem is not None,
+                        global_length)
     else:  # nothing to describe: a row that says only "error"
         row = torch.tensor([1] + [-1] * (len(_FIELDS) - 1), dtype=torch.int64)
     rows = _comm.gather_ints(row, group)
@@ -200,7 +207,7 @@ def _agree(
 
 def _reuse_agreed(
     x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str,
-    group: Group, agreed: tuple[Any, ...], problem: str | None,
+    group: Group, global_length: int, agreed: tuple[Any, ...], problem: str | None,
 ) -> tuple[int, tuple[int, ...]]:
     """A signature agreed before: check this rank's row against its agreed one, locally.
 
@@ -209,7 +216,8 @@ def _reuse_agreed(
     """
     row, lengths, dtype, slice_shape, device = agreed
     if problem is None:
-        own = _row_values(x, left, right, dim, pad, transport, False)  # no device sync
+        own = _row_values(x, left, right, dim, pad, transport, False,  # no device sync
+                          global_length)
         wrong = [f for f, a, b in zip(_FIELDS, own, row, strict=True) if a != b]
         if wrong:
             problem = (f"this rank's tensor differs from the one agreed at this layer's first "
@@ -264,7 +272,7 @@ def _index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-@lru_cache(maxsize=1024)
+@planner_cache(1024)
 def _plan_tensors(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device,
     held: Held = (0, 0),
@@ -274,7 +282,7 @@ def _plan_tensors(
     return tuple(_index(i, device) for i in idx)
 
 
-@lru_cache(maxsize=1024)
+@planner_cache(1024)
 def _fill_tensors(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device,
     gap: int | None, held: Held = (0, 0),
@@ -304,7 +312,7 @@ class _Runs:
 _MAX_RUNS = 16  # beyond: one index op per step costs less than a copy per run
 
 
-@lru_cache(maxsize=1024)
+@planner_cache(1024)
 def _plan_runs(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, gap: int | None,
     held: Held = (0, 0),
@@ -641,6 +649,7 @@ def _route(x: torch.Tensor, left: int, right: int, dim: int, group: Group,
                   flagged, held)
 
 
+@surfaces_errors
 def halo_exchange(
     x: torch.Tensor,
     *,
