@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import time
@@ -19,10 +20,18 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import haloshard
-from haloshard import HaloError, halo_exchange
-from haloshard.testing import simulated_mesh, worker_mesh
+from haloshard import HaloError, halo_exchange, varlen_conv
+from haloshard.testing import (
+    per_rank,
+    rank_map,
+    shard,
+    simulated_mesh,
+    single_device,
+    worker_mesh,
+)
 
 # A mistake every rank sees raises at once: well under a second of work, 5 s with margin for
 # a loaded 2-core machine. The process group's timeout here is 60 s, so a wait would show.
@@ -87,3 +96,50 @@ def test_set_timeout_bounds_on_gloo(gloo) -> None:
     for got in gloo(2).run(timeout_bounds, timeout=60):
         assert got == ["1000000 days, 0:00:00", "0:01:00", "(1, 1, 4)"], got
 
+
+
+# ---------------------------------------------------------------- varlen_conv, non-finite
+def _documents_alone(full: torch.Tensor, w: torch.Tensor, cu: tuple[int, ...], left: int,
+                     right: int, dilation: int) -> torch.Tensor:
+    """One device: each document zero-padded by (left, right) and convolved alone."""
+    outs = [F.conv1d(F.pad(full[..., s:e], (left, right)), w, dilation=dilation)
+            for s, e in itertools.pairwise(cu) if e > s]
+    return torch.cat(outs, -1)
+
+
+@pytest.mark.parametrize("kernel, dilation, left", [(4, 1, 3), (3, 2, 2), (3, 3, 0)])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_varlen_non_finite_stays_in_its_reach(kernel: int, dilation: int, left: int,
+                                              value: float) -> None:
+    """A non-finite value at every position in turn: every rank's output and input gradient
+    equal one device's, non-finite exactly where one device's are (0 * inf was nan at taps
+    the zero padding masks)."""
+    cu, world = (0, 3, 7, 8, 12), 2
+    right = dilation * (kernel - 1) - left
+    w = torch.randn(2, 3, kernel, generator=torch.Generator().manual_seed(1),
+                    dtype=torch.float64)
+    gy = torch.randn(1, 2, cu[-1], generator=torch.Generator().manual_seed(2),
+                     dtype=torch.float64)
+    with simulated_mesh(world) as mesh:
+        for at in range(cu[-1]):
+            with single_device():
+                full = torch.randn(1, 3, cu[-1], generator=torch.Generator().manual_seed(at),
+                                   dtype=torch.float64)
+                full[0, 1, at] = value
+                ref = full.clone().requires_grad_()
+                want = _documents_alone(ref, w, cu, left, right, dilation)
+                (want * gy).sum().backward()
+            x = rank_map(mesh, lambda r, f=full: shard(f, 2, world, r).clone())
+            x.requires_grad_()
+            y = varlen_conv(x, w, dim=2, cu_seqlens=list(cu), group=mesh, left=left,
+                            right=right, dilation=dilation)
+            (y * rank_map(mesh, lambda r: shard(gy, 2, world, r))).sum().backward()
+            # The same products summed in another blocking (folded taps): 1e-12; the
+            # non-finite entries must match exactly (equal_nan).
+            for got, ref_t in ((y, want.detach()), (x.grad, ref.grad)):
+                locals_ = per_rank(got)
+                with single_device():
+                    for r, local in locals_.items():
+                        torch.testing.assert_close(
+                            local, shard(ref_t, 2, world, r), atol=1e-12, rtol=1e-10,
+                            equal_nan=True, msg=lambda m, r=r, a=at: f"rank {r}, at {a}: {m}")

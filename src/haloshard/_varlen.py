@@ -353,12 +353,15 @@ def _folded_weight(weight: torch.Tensor, dim: int) -> torch.Tensor:
 def _fold_taps(buf: torch.Tensor, index: torch.Tensor, mask: torch.Tensor | None,
                kernel: int, n: Any, dim: int) -> torch.Tensor:
     """`(B, C, ..., window, ...) -> (B, C * k, ..., T_r, ...)`: tap j of output t is the
-    slice `index[j, t]` of the buffer (times the mask for zeros padding)."""
+    slice `index[j, t]` of the buffer (zero where the mask says zeros padding)."""
     taps = buf.index_select(dim, index)
     shape = list(taps.shape)
     taps = taps.reshape([*shape[:dim], kernel, n, *shape[dim + 1 :]])
     if mask is not None:
-        taps = taps * mask.reshape([1] * dim + [kernel, n] + [1] * (buf.ndim - dim - 1))
+        # `where`, not a product: a masked tap reads some slice of its document, and
+        # 0 * inf (or nan) there would reach outputs one device keeps finite.
+        keep = mask.reshape([1] * dim + [kernel, n] + [1] * (buf.ndim - dim - 1))
+        taps = torch.where(keep, taps, 0)
     return taps.movedim(dim, 2).flatten(1, 2)
 
 
