@@ -614,7 +614,32 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph: the adjoint is differentiated in turn
+            return _HaloAdjoint.apply(grad, ctx.move, ctx.length), None
         return ctx.move.adjoint(grad, ctx.length), None
+
+
+class _HaloAdjoint(torch.autograd.Function):
+    """`_HaloExchange`'s backward as a Function of its own, for gradients of gradients.
+    Forward adds halo gradients into the owners' edges: `(left + T_r + right) -> (T_r)`.
+    Backward copies neighbours' edge slices into the halo: `(T_r) -> (left + T_r + right)`
+    (the adjoint of a linear map's adjoint is the map: the exchange again, differentiable).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, grad: torch.Tensor, move: HaloMove, length: Any  # type: ignore[override]
+                ) -> torch.Tensor:
+        ctx.move = move
+        return move.adjoint(grad, length)
+
+    @staticmethod
+    def backward(ctx: Any, gg: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return apply_move(gg, ctx.move), None, None
+
+
+def apply_move(x: torch.Tensor, move: HaloMove) -> torch.Tensor:
+    """`x` extended by its halos along the prepared `move`, differentiably to any order."""
+    return _HaloExchange.apply(x, move)
 
 
 def prepare_halo(
