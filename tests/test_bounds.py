@@ -23,9 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import parallelize_module
 
 import haloshard
-from haloshard import HaloError, halo_conv, halo_exchange, varlen_conv
+from haloshard import HaloError, HaloParallel, halo_conv, halo_exchange, varlen_conv
 from haloshard.testing import (
     assert_close_per_rank,
     per_rank,
@@ -161,16 +163,26 @@ def _penalty(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor
 def _double_case(kind: str) -> tuple[dict[str, Any], Callable[..., torch.Tensor]]:
     """(halo widths and conv keywords, the sharded call) of one double-backward case."""
     if kind == "exchange":  # halo_exchange, then the module's conv on the exchanged chunk
-        def call(x: torch.Tensor, w: torch.Tensor, mesh: Any, left: int, right: int
-                 ) -> torch.Tensor:
+        def call(x: torch.Tensor, w: torch.Tensor, mesh: Any, left: int, right: int,
+                 T: int) -> torch.Tensor:
             buf = halo_exchange(x, left=left, right=right, dim=2, group=mesh,
                                 pad="replicate")
             return F.conv1d(buf, w)
         return {"pad": "replicate"}, call
+    if kind == "module":  # a HaloParallel conv (padding 1, replicate), its weight swapped in
+        def module(x: torch.Tensor, w: torch.Tensor, mesh: Any, left: int, right: int,
+                   T: int) -> torch.Tensor:
+            conv = torch.nn.Conv1d(3, 2, w.shape[-1], padding=left, bias=False,
+                                   padding_mode="replicate").double()
+            parallelize_module(conv, mesh, HaloParallel())
+            xd = DTensor.from_local(x, mesh, [Shard(2)], shape=torch.Size((1, 3, T)),
+                                    stride=(3 * T, T, 1))
+            return torch.func.functional_call(conv, {"weight": w}, (xd,)).to_local()
+        return {"pad": "replicate"}, module
     path = {"corrected": "corrected", "split": "split", "whole": "whole"}[kind]
 
-    def conv(x: torch.Tensor, w: torch.Tensor, mesh: Any, left: int, right: int
-             ) -> torch.Tensor:
+    def conv(x: torch.Tensor, w: torch.Tensor, mesh: Any, left: int, right: int,
+             T: int) -> torch.Tensor:
         return halo_conv(x, w, dim=2, left=left, right=right, group=mesh, _path=path)
     return {"pad": "zeros"}, conv
 
@@ -190,7 +202,7 @@ def double_backward(mesh: Any, kind: str, left: int, right: int, T: int) -> None
     x = rank_map(mesh, lambda r: shard(full, 2, world, r).clone()).requires_grad_()
     wl = w.clone().requires_grad_()
     g = rank_map(mesh, lambda r: shard(gy, 2, world, r))
-    _penalty(call(x, wl, mesh, left, right), x, wl, g).backward()
+    _penalty(call(x, wl, mesh, left, right, T), x, wl, g).backward()
     # Sums of products in another order (and partial weight sums over ranks): 1e-10.
     assert_close_per_rank(x.grad, lambda r: shard(xr.grad, 2, world, r), mesh, atol=1e-10,
                           rtol=1e-10)
@@ -202,7 +214,7 @@ def double_backward(mesh: Any, kind: str, left: int, right: int, T: int) -> None
 # autograd engine cannot replay a graph of gradients holding one); gloo runs uneven ones.
 @pytest.mark.parametrize("kind, left, right, T, world", [
     ("exchange", 2, 1, 9, 3), ("corrected", 1, 1, 8, 2), ("split", 2, 0, 8, 2),
-    ("whole", 1, 1, 8, 2), ("whole", 2, 0, 3, 4),
+    ("whole", 1, 1, 8, 2), ("whole", 2, 0, 3, 4), ("module", 1, 1, 8, 2),
 ])
 def test_double_backward_is_exact(kind: str, left: int, right: int, T: int,
                                   world: int) -> None:
@@ -213,7 +225,8 @@ def test_double_backward_is_exact(kind: str, left: int, right: int, T: int,
 
 
 DOUBLE_GLOO = [("exchange", 2, 1, 9), ("exchange", 3, 0, 5), ("corrected", 1, 1, 9),
-               ("split", 2, 0, 9), ("whole", 1, 1, 9), ("whole", 2, 1, 3)]
+               ("split", 2, 0, 9), ("whole", 1, 1, 9), ("whole", 2, 1, 3), ("module", 1, 1, 9),
+               ("module", 2, 2, 7)]
 
 
 def double_backward_gloo() -> list[str]:
