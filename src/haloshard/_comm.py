@@ -426,7 +426,25 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph: the reduce-scatter is differentiated too
+            return _ReduceScatter.apply(grad, ctx.group, ctx.what), None, None
         return reduce_scatter(grad, ctx.group, f"backward of the {ctx.what}"), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """`_AllGather`'s backward as a Function of its own, for gradients of gradients.
+    Forward: `(P * n, ...) -> (n, ...)`, the sum over ranks of this rank's block.
+    Backward: `(n, ...) -> (P * n, ...)`, the all-gather again (its adjoint)."""
+
+    @staticmethod
+    def forward(ctx: Any, grad: torch.Tensor, group: Group, what: str  # type: ignore[override]
+                ) -> torch.Tensor:
+        ctx.group, ctx.what = group, what
+        return reduce_scatter(grad, group, f"backward of the {what}")
+
+    @staticmethod
+    def backward(ctx: Any, gg: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return _AllGather.apply(gg, ctx.group, ctx.what), None, None
 
 
 def all_gather_autograd(buf: torch.Tensor, group: Group, what: str = "all-gather"
