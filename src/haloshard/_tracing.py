@@ -71,7 +71,7 @@ def surfaces_errors(fn: Callable[_P, _R]) -> Callable[_P, _R]:
 
     Example::
         >>> @surfaces_errors
-        ... def halo_exchange(x: torch.Tensor, *, left: int, ...) -> torch.Tensor: ...
+        ... def halo_exchange(x: torch.Tensor, *, left: int) -> torch.Tensor: ...
     """
 
     @functools.wraps(fn)
