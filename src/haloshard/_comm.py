@@ -88,15 +88,32 @@ def set_timeout(group: GroupLike, timeout: float | timedelta) -> None:
         >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
         >>> haloshard.set_timeout(mesh, 60)  # seconds
     """
-    delta = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
-    if delta <= timedelta(0):
-        raise HaloError(f"timeout must be positive, got {timeout!r}")
+    delta = _timeout_delta(timeout)
     if isinstance(group, DeviceMesh):
         groups = [group.get_group(axis) for axis in range(group.ndim)]
     else:
         groups = [resolve_group(group).pg]
     for pg in groups:
         pg.set_timeout(delta)
+
+
+# Longer than any run, and well inside what the backends hold (gloo rejects timedelta.max,
+# which overflows its int64 count).
+_MAX_TIMEOUT = timedelta(days=10**6)
+
+
+def _timeout_delta(timeout: object) -> timedelta:
+    """`timeout` (seconds or a timedelta) as a timedelta in `(0, _MAX_TIMEOUT]`."""
+    delta = None
+    if isinstance(timeout, timedelta):
+        delta = timeout
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        with contextlib.suppress(OverflowError, ValueError):  # inf, nan, beyond timedelta
+            delta = timedelta(seconds=timeout)
+    if delta is None or not timedelta(0) < delta <= _MAX_TIMEOUT:
+        raise HaloError(f"timeout must be a positive, finite number of seconds (at most "
+                        f"{_MAX_TIMEOUT.total_seconds():.0f}) or a timedelta, got {timeout!r}")
+    return delta
 
 
 @dataclass(frozen=True)
@@ -409,7 +426,25 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph: the reduce-scatter is differentiated too
+            return _ReduceScatter.apply(grad, ctx.group, ctx.what), None, None
         return reduce_scatter(grad, ctx.group, f"backward of the {ctx.what}"), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """`_AllGather`'s backward as a Function of its own, for gradients of gradients.
+    Forward: `(P * n, ...) -> (n, ...)`, the sum over ranks of this rank's block.
+    Backward: `(n, ...) -> (P * n, ...)`, the all-gather again (its adjoint)."""
+
+    @staticmethod
+    def forward(ctx: Any, grad: torch.Tensor, group: Group, what: str  # type: ignore[override]
+                ) -> torch.Tensor:
+        ctx.group, ctx.what = group, what
+        return reduce_scatter(grad, group, f"backward of the {what}")
+
+    @staticmethod
+    def backward(ctx: Any, gg: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return _AllGather.apply(gg, ctx.group, ctx.what), None, None
 
 
 def all_gather_autograd(buf: torch.Tensor, group: Group, what: str = "all-gather"

@@ -23,7 +23,6 @@ rounding may differ in the last bits).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -36,12 +35,14 @@ from haloshard._errors import HaloError
 from haloshard._exchange import (
     HaloMove,
     Reuse,
+    apply_move,
     empty_like_layout,
     memory_format,
     prepare_halo,
 )
 from haloshard._layout import with_spare_slice
 from haloshard._specs import halo_supplies_padding
+from haloshard._tracing import planner_cache, surfaces_errors
 
 _conv = torch.ops.aten.convolution.default
 _conv_backward = torch.ops.aten.convolution_backward.default
@@ -104,7 +105,7 @@ class _ConvArgs:
                               False, zeros, self.groups, list(mask))
 
 
-@lru_cache(maxsize=256)
+@planner_cache(256)
 def halo_taps(left: int, right: int, dilation: int, kernel: int
               ) -> tuple[tuple[int, int, int], ...]:
     """Which halo slice each boundary output reads, tap by tap, for a chunk at least
@@ -157,6 +158,8 @@ class _CorrectedConv(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, weight, halo = ctx.saved_tensors
         args, move, mask = ctx.args, ctx.move, tuple(ctx.needs_input_grad[:3])
+        if torch.is_grad_enabled():
+            return _graph_backward(grad, x, weight, move, args, mask)
         corrections = ctx.corrections
         # The chunk conv's backward is exactly the floor's. The halo gradients (small convs
         # on the output gradient's edges) travel back to their owners beside it when their
@@ -347,12 +350,42 @@ class _HaloConv(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, weight, *windows = ctx.saved_tensors
         args: _ConvArgs = ctx.args
+        if torch.is_grad_enabled():
+            return _graph_backward(grad, x, weight, ctx.move, args,
+                                   tuple(ctx.needs_input_grad[:3]))
         if args.path == SPLIT:
             g_x, g_w = _split_backward(grad, x, weight, windows, ctx.move, args)
         else:
             g_x, g_w = _whole_backward(grad, x, weight, windows, ctx.move, args, ctx.taps)
         g_b = grad.sum([d for d in range(grad.ndim) if d != 1]) if ctx.has_bias else None
         return g_x, g_w, g_b, None, None
+
+
+def _graph_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    move: HaloMove, args: _ConvArgs, mask: tuple[bool, ...]
+                    ) -> tuple[torch.Tensor | None, ...]:
+    """The backward under `create_graph=True`, as a graph that can be differentiated again.
+
+    The hand-written backwards move halo gradients outside autograd, so their gradients
+    would miss every term that crosses a rank. Here autograd differentiates the conv of the
+    exchanged chunk (what every formulation computes), whose exchange is differentiable to
+    any order. It repeats the forward's exchange: create_graph is the same on every rank.
+    """
+    length = x.shape[args.dim]
+    inputs = [t for t, need in zip((x, weight), mask[:2], strict=True) if need]
+    with torch.enable_grad():
+        buf = apply_move(x, move)
+        if args.spare:  # an empty chunk: one zero slice more, its output dropped
+            shape = list(buf.shape)
+            shape[args.dim] = torch.sym_max(0, 1 - length)
+            buf = torch.cat([buf, buf.new_zeros(shape)], args.dim)
+            y = args.conv(buf, weight, None).narrow(args.dim, 0, length)
+        else:  # the halo is the conv's reach: exactly `length` outputs
+            y = args.conv(buf, weight, None)
+        found = iter(torch.autograd.grad(y, inputs, grad, create_graph=True))
+    g_x, g_w = (next(found) if need else None for need in mask[:2])
+    g_b = grad.sum([d for d in range(grad.ndim) if d != 1]) if mask[2] else None
+    return g_x, g_w, g_b, None, None
 
 
 def _gap(args: _ConvArgs) -> int:
@@ -615,6 +648,7 @@ def _conv_problem(
     return None, args
 
 
+@surfaces_errors
 def halo_conv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, dim: int,
     left: int, right: int, group: GroupLike, stride: int | tuple[int, ...] = 1,

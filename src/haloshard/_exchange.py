@@ -12,11 +12,9 @@ from, on its owner.
 from __future__ import annotations
 
 import contextlib
-import warnings
 import zlib
 from collections.abc import Hashable
 from dataclasses import dataclass, fields
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -29,6 +27,7 @@ from haloshard._errors import HaloError, raise_rejected
 from haloshard._layout import LENIENT_PADS, PAD_MODES, check_pad_fits, shard_sizes
 from haloshard._plan import HaloFill, Held, Runs, as_runs, exchange_plan, halo_fill
 from haloshard._simulated import per_rank
+from haloshard._tracing import planner_cache, surfaces_errors
 
 TRANSPORTS: tuple[str, ...] = ("all_to_all", "p2p", "allgather")
 _DTYPES = (
@@ -37,8 +36,11 @@ _DTYPES = (
 )
 _MAX_DIMS = 8
 # One row of ints per rank; "length" is the only field allowed to differ between ranks.
+# "global_length" (-1: not given) rides along so that a rank whose stated length differs
+# from the others' raises with them, not alone while they wait in the exchange.
 _FIELDS = ("error", "ndim", "dim", "left", "right", "pad", "transport", "dtype",
-           "requires_grad", "length", *(f"size of dim {i}" for i in range(_MAX_DIMS)))
+           "requires_grad", "length", "global_length",
+           *(f"size of dim {i}" for i in range(_MAX_DIMS)))
 _ERR, _LEN = _FIELDS.index("error"), _FIELDS.index("length")
 # Halo widths and lengths must fit the int64 metadata row (and any index tensor).
 _MAX_INT = 2**62
@@ -100,7 +102,8 @@ def _as_int(value: object) -> int:
 
 
 def _row_values(
-    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str, error: bool
+    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str, error: bool,
+    global_length: int | None,
 ) -> list[int]:
     """This rank's metadata row, one int per `_FIELDS` entry."""
     d = _as_int(dim) % max(x.ndim, 1) if not error else _as_int(dim)
@@ -108,15 +111,17 @@ def _row_values(
     pads = PAD_MODES + LENIENT_PADS
     return [int(error), x.ndim, d, _as_int(left), _as_int(right), _code(pad, pads),
             _code(transport, TRANSPORTS), _dtype_code(x.dtype), int(x.requires_grad),
-            x.shape[d] if not error else -1, *sizes, *[-1] * (_MAX_DIMS - len(sizes))]
+            x.shape[d] if not error else -1, _as_int(global_length), *sizes,
+            *[-1] * (_MAX_DIMS - len(sizes))]
 
 
 @maybe_run_for_local_tensor
 def _meta_row(
-    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str, error: bool
+    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str, error: bool,
+    global_length: int | None,
 ) -> torch.Tensor:
     """`_row_values` as an int64 tensor on `x`'s device, to travel in the agreement."""
-    row = _row_values(x, left, right, dim, pad, transport, error)
+    row = _row_values(x, left, right, dim, pad, transport, error, global_length)
     # A meta tensor's row must still travel (it is flagged as an error).
     device = torch.device("cpu") if x.device.type == "meta" else x.device
     return torch.tensor(row, dtype=torch.int64, device=device)
@@ -178,10 +183,11 @@ def _agree(
             and enabled_local_tensor_mode() is None):
         key = (reuse[1], left, right, pad, dim, global_length, id(group.pg))
         if key in reuse[0]:
-            return (*_reuse_agreed(x, left, right, dim, pad, transport, group,
+            return (*_reuse_agreed(x, left, right, dim, pad, transport, group, global_length,
                                    reuse[0][key], problem), True)
     if isinstance(x, torch.Tensor):
-        row = _meta_row(x, left, right, dim, pad, transport, problem is not None)
+        row = _meta_row(x, left, right, dim, pad, transport, problem is not None,
+                        global_length)
     else:  # nothing to describe: a row that says only "error"
         row = torch.tensor([1] + [-1] * (len(_FIELDS) - 1), dtype=torch.int64)
     rows = _comm.gather_ints(row, group)
@@ -201,7 +207,7 @@ def _agree(
 
 def _reuse_agreed(
     x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str,
-    group: Group, agreed: tuple[Any, ...], problem: str | None,
+    group: Group, global_length: int, agreed: tuple[Any, ...], problem: str | None,
 ) -> tuple[int, tuple[int, ...]]:
     """A signature agreed before: check this rank's row against its agreed one, locally.
 
@@ -210,7 +216,8 @@ def _reuse_agreed(
     """
     row, lengths, dtype, slice_shape, device = agreed
     if problem is None:
-        own = _row_values(x, left, right, dim, pad, transport, False)  # no device sync
+        own = _row_values(x, left, right, dim, pad, transport, False,  # no device sync
+                          global_length)
         wrong = [f for f, a, b in zip(_FIELDS, own, row, strict=True) if a != b]
         if wrong:
             problem = (f"this rank's tensor differs from the one agreed at this layer's first "
@@ -265,7 +272,7 @@ def _index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-@lru_cache(maxsize=1024)
+@planner_cache(1024)
 def _plan_tensors(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device,
     held: Held = (0, 0),
@@ -275,7 +282,7 @@ def _plan_tensors(
     return tuple(_index(i, device) for i in idx)
 
 
-@lru_cache(maxsize=1024)
+@planner_cache(1024)
 def _fill_tensors(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device,
     gap: int | None, held: Held = (0, 0),
@@ -305,7 +312,7 @@ class _Runs:
 _MAX_RUNS = 16  # beyond: one index op per step costs less than a copy per run
 
 
-@lru_cache(maxsize=1024)
+@planner_cache(1024)
 def _plan_runs(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, gap: int | None,
     held: Held = (0, 0),
@@ -607,7 +614,32 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph: the adjoint is differentiated in turn
+            return _HaloAdjoint.apply(grad, ctx.move, ctx.length), None
         return ctx.move.adjoint(grad, ctx.length), None
+
+
+class _HaloAdjoint(torch.autograd.Function):
+    """`_HaloExchange`'s backward as a Function of its own, for gradients of gradients.
+    Forward adds halo gradients into the owners' edges: `(left + T_r + right) -> (T_r)`.
+    Backward copies neighbours' edge slices into the halo: `(T_r) -> (left + T_r + right)`
+    (the adjoint of a linear map's adjoint is the map: the exchange again, differentiable).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, grad: torch.Tensor, move: HaloMove, length: Any  # type: ignore[override]
+                ) -> torch.Tensor:
+        ctx.move = move
+        return move.adjoint(grad, length)
+
+    @staticmethod
+    def backward(ctx: Any, gg: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return apply_move(gg, ctx.move), None, None
+
+
+def apply_move(x: torch.Tensor, move: HaloMove) -> torch.Tensor:
+    """`x` extended by its halos along the prepared `move`, differentiably to any order."""
+    return _HaloExchange.apply(x, move)
 
 
 def prepare_halo(
@@ -642,13 +674,14 @@ def _route(x: torch.Tensor, left: int, right: int, dim: int, group: Group,
                   flagged, held)
 
 
+@surfaces_errors
 def halo_exchange(
     x: torch.Tensor,
-    *positional: Any,
-    left: int | None = None,
-    right: int | None = None,
-    dim: int | None = None,
-    group: GroupLike | None = None,
+    *,
+    left: int,
+    right: int,
+    dim: int,
+    group: GroupLike,
     pad: str = "zeros",
     transport: str | None = None,
     global_length: int | None = None,
@@ -665,8 +698,6 @@ def halo_exchange(
     Args:
         x: this rank's chunk; the ranks' chunks are `Shard(dim)`'s split of the global tensor
             (uneven and empty chunks included).
-        left, right, dim, group: keyword-only; the positional form of 0.1 still works for
-            one release, with a `DeprecationWarning`.
         left: slices to prepend; may exceed a neighbour's chunk (taken from several ranks).
         right: slices to append.
         dim: the sharded dimension.
@@ -698,7 +729,6 @@ def halo_exchange(
         >>> y.shape  # on rank 2
         torch.Size([1, 8, 4, 16, 16])
     """
-    left, right, dim, group = _keywords(positional, left, right, dim, group)
     if agreements is not None and (global_length is None or not isinstance(agreements, dict)):
         raise HaloError(f"agreements= needs a dict and global_length= (the signature every "
                         f"rank shares), got agreements of type {type(agreements).__name__}, "
@@ -708,26 +738,6 @@ def halo_exchange(
     reuse = None if agreements is None else (agreements, "halo_exchange")
     return exchange(x, left, right, dim, group, pad=pad, transport=transport,
                     global_length=global_length, problem=problem, reuse=reuse)
-
-
-def _keywords(positional: tuple[Any, ...], *named: Any) -> tuple[Any, ...]:
-    """`halo_exchange(x, left, right, dim, group)`, the positional form of 0.1: still taken
-    for one release, with a `DeprecationWarning`."""
-    names = ("left", "right", "dim", "group")
-    if len(positional) > len(names):
-        raise TypeError(f"halo_exchange takes at most {len(names) + 1} positional arguments, "
-                        f"got {len(positional) + 1}")
-    values = [*positional, *named[len(positional):]]
-    for i, (name, value, given) in enumerate(zip(names, values, named, strict=True)):
-        if given is not None and i < len(positional):
-            raise TypeError(f"halo_exchange got {name} both by position and by keyword")
-        if value is None:
-            raise TypeError(f"halo_exchange() missing the keyword argument {name!r}")
-    if positional:
-        warnings.warn("halo_exchange(x, left, right, dim, group) is deprecated: pass "
-                      "halo_exchange(x, left=..., right=..., dim=..., group=...)",
-                      DeprecationWarning, stacklevel=3)
-    return tuple(values)
 
 
 def exchange(
