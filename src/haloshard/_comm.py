@@ -221,6 +221,21 @@ class _Flags:
         check_flags(flags, "this halo layer a tensor that differs from the one")
         return data
 
+    def statuses(self, flat: torch.Tensor) -> list[int]:
+        """Every peer's status element, as ints (a host sync)."""
+        per_row = math.prod(self.row)
+        ends = accumulate(n * per_row + 1 for n in self.recv_splits)
+        return [int(flat[end - 1].item()) for end in ends]
+
+
+def statuses(moved: Pending) -> list[int]:
+    """Wait for a flagged all-to-all and return every rank's status, raising nothing: for a
+    rank that sent placeholder rows and decides from its peers' statuses what to raise."""
+    for work in moved.works:
+        waited(moved.what, work.wait)
+    assert moved.flags is not None
+    return moved.flags.statuses(moved.tensor)
+
 
 def check_flags(flags: torch.Tensor, what: str) -> None:
     """`HaloError` when a peer raised its status flag (one element per rank): it found a

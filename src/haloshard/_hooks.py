@@ -244,11 +244,13 @@ class _HaloForward(ShardedForward):
         self.trials: dict[Any, int] = {}  # rounds each formulation was timed, by signature
 
     def reuse(self, site: _Site) -> Reuse:
-        """This layer's store and the call's global signature: the same on every rank
-        (DTensor metadata, or the lengths every rank gathered for a plain chunk)."""
+        """This layer's store, its key and the call's signature (global shape, dtype, grad
+        mode...), which the exchange compares with the agreed one on each rank (a
+        signature may differ between ranks: DTensor metadata is per rank)."""
         x = site.local
-        return self.agreed, (site.shape, x.dtype, x.requires_grad, torch.is_grad_enabled(),
-                             site.placements, id(site.mesh), site.axis)
+        return self.agreed, "layer", (site.shape, x.dtype, x.requires_grad,
+                                      torch.is_grad_enabled(), site.placements,
+                                      id(site.mesh), site.axis)
 
     @property
     def plain(self) -> bool:
@@ -278,9 +280,11 @@ class _HaloForward(ShardedForward):
                                                                site):
             # torch's own conv, as `halo_conv`: overlapped, or exchanging first in a
             # function whose backward never holds the window and its gradient at once
-            overlapped = self.overlap is not False and self.overlaps(site, plan, reuse)
+            # chosen once the exchange has agreed (every rank then holds one signature)
+            choose = None if self.overlap is not None else (
+                lambda: self.overlaps(site, plan, reuse))
             y = _overlapped_conv(self.module, site, plan, annotation, reuse,
-                                 whole=not overlapped)
+                                 whole=self.overlap is False, choose=choose)
         else:
             y = self.exchange_first(site, plan, reuse, *args, **kwargs)
         return _output(y, site, plan, annotation)
@@ -388,7 +392,9 @@ class _HaloForward(ShardedForward):
         conv). Exchange-first, whose backward holds a copy of the chunk, must be
         `_EXCHANGE_FIRST_MARGIN` faster. Elsewhere (GPUs, where the halo travels beside
         the conv; compiled, simulated, deterministic) it overlaps. Every rank takes the
-        same choice (from the global shape, or two small gathers, once)."""
+        same choice: it is called once the exchange has agreed on the signature (so every
+        rank looks the choice up alike), and the settings each rank reads for it (memory
+        format, deterministic mode) ride in one small gather at the first call."""
         if self.overlap is not None:
             return self.overlap
         x = site.local
@@ -398,7 +404,13 @@ class _HaloForward(ShardedForward):
                      and not torch.are_deterministic_algorithms_enabled())
             # where torch would run the conv3d on its slow path, exchanging first runs it as
             # conv2ds, far faster than the chunk's own slow conv: no trial needed
-            self.chosen[key] = not _taps_everywhere(self.module, site, plan) and (
+            taps = _taps_everywhere(self.module, site, plan)
+            if _comm.is_eager(x):  # per-rank settings: agreed (one rank's would desync)
+                rows = _comm.gather_ints(torch.tensor([int(timed), int(taps)]),
+                                         _comm.resolve_group((site.mesh, site.axis)),
+                                         what="choice of formulation")
+                timed, taps = all(r[0] for r in rows), all(r[1] for r in rows)
+            self.chosen[key] = not taps and (
                 not timed or self.faster_overlapped(site, plan, reuse, key))
         return self.chosen[key]
 
@@ -505,7 +517,8 @@ def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan, s
 
 def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
                      annotation: Annotation, reuse: Reuse, *, whole: bool = False,
-                     params: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+                     params: list[torch.Tensor | None] | None = None,
+                     choose: Callable[[], bool] | None = None) -> torch.Tensor:
     """The conv as `halo_conv`: the chunk's own conv runs while the halo travels (`whole`:
     the conv of the exchanged window, `overlap=False`), with the module's weight and bias
     or `params` in their place.
@@ -520,13 +533,14 @@ def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
         padding = (0,) * len(padding)
         # Its own agreement: the padded chunk's sizes differ from the unpadded chunk's,
         # and it needs no gradient when padded under no_grad.
-        reuse = (reuse[0], (reuse[1], "padded", x.requires_grad))
+        reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], x.requires_grad))
     weight, bias = (module.weight, module.bias) if params is None else params
     return halo_conv(x, weight, bias, dim=annotation.dim,
                      left=plan.left, right=plan.right, group=(site.mesh, site.axis),
                      stride=module.stride, padding=padding, dilation=module.dilation,
                      groups=module.groups, pad=annotation.stencil.pad,
-                     global_length=plan.length, overlap=not whole, _reuse=reuse)
+                     global_length=plan.length, overlap=not whole, _reuse=reuse,
+                     _choose=choose)
 
 
 @contextmanager
