@@ -1,0 +1,162 @@
+"""Issue 26, item 4: ranks that disagree on what must be the same everywhere raise `HaloError`
+on every rank at once; settings each rank reads for itself are agreed.
+
+Each case runs on real gloo processes (2 ranks, T=7 splits 4, 3; the group's timeout is
+60 s, so a wait would show) and records what every rank raised and how long it took, as
+tests/test_reliability2.py does: a backend abort shows as a dead worker (a TimeoutError
+here). Numeric cases compare forward output, input gradient and weight and bias gradients
+with a single-device reference in float64; every sum is over at most a few hundred float64
+products, so 1e-12 absolute is float64 rounding with margin.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+from haloshard import HaloError, HaloParallel, reduce_grads
+from haloshard.testing import seeded_randn, shard, single_device, worker_mesh
+
+AT_ONCE_S = 5.0  # well under the group's 60 s timeout: raised at once, not at a timeout
+TOL = 1e-12  # float64 rounding, see the module docstring
+
+
+def _outcome(fn: Callable[[], object]) -> tuple[str, float]:
+    start = time.perf_counter()
+    try:
+        fn()
+    except HaloError as exc:
+        return f"HaloError: {exc}", time.perf_counter() - start
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", time.perf_counter() - start
+    return "ok", time.perf_counter() - start
+
+
+def _conv(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "conv1d":  # a float64 conv1d: timed at its first call (overlap=None)
+        return nn.Conv1d(2, 2, 3, padding=1).double()
+    return nn.Conv3d(2, 2, 3, padding=1).double()
+
+
+def _full(kind: str) -> torch.Tensor:
+    shape = (1, 2, 7) if kind == "conv1d" else (1, 2, 7, 3, 3)
+    return seeded_randn(shape, 1).double()
+
+
+class _Conv:
+    """A parallelized conv and its single-device twin; `call` runs one sharded step
+    (forward, backward) and returns its errors against the twin."""
+
+    def __init__(self, kind: str) -> None:
+        self.rank, self.mesh = dist.get_rank(), worker_mesh(2)
+        with single_device():
+            self.twin = _conv(kind)
+        self.conv = _conv(kind)
+        self.full = _full(kind)
+        parallelize_module(self.conv, self.mesh, HaloParallel())
+
+    def call(self, *, grad: bool = True, deterministic: bool = False,
+             channels_last: bool = False) -> float:
+        full, rank = self.full, self.rank
+        local = shard(full, 2, 2, rank).clone()
+        if channels_last:
+            local = local.contiguous(memory_format=torch.channels_last_3d)
+        leaf = local.requires_grad_(grad)
+        x = DTensor.from_local(leaf, self.mesh, [Shard(2)], shape=full.shape,
+                               stride=full.stride())
+        before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            with torch.set_grad_enabled(grad):
+                y = self.conv(x).to_local()
+        finally:
+            torch.use_deterministic_algorithms(before)
+        ref_in = full.clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            ref = self.twin(ref_in)
+        errors = [(y - shard(ref, 2, 2, rank)).abs().max().item()]
+        if grad:
+            for p in self.conv.parameters():
+                p.grad = None
+            self.twin.zero_grad()
+            y.sum().backward()
+            ref.sum().backward()
+            reduce_grads(self.conv, self.mesh)
+            errors.append((leaf.grad - shard(ref_in.grad, 2, 2, rank)).abs().max().item())
+            errors += [(p.grad - q.grad).abs().max().item()
+                       for p, q in zip(self.conv.parameters(), self.twin.parameters(),
+                                       strict=True)]
+        return max(errors)
+
+
+def first_call_settings(kind: str, setting: str) -> dict[str, Any]:
+    """At the first call rank 1 alone runs with `setting`, which feeds the formulation
+    choice: the ranks agree on the choice, and the call is exact."""
+    case = _Conv(kind)
+    options = {setting: True} if case.rank == 1 else {}
+    text, seconds = _outcome(lambda: case.__dict__.setdefault("err", case.call(**options)))
+    return {"text": text, "seconds": seconds, "error": case.__dict__.get("err"),
+            "again": case.call()}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(("kind", "setting"), [("conv1d", "deterministic"),
+                                               ("conv3d", "deterministic"),
+                                               ("conv3d", "channels_last")])
+def test_first_call_settings_are_agreed(gloo: Callable[[int], Any], kind: str,
+                                        setting: str) -> None:
+    for got in gloo(2).run(first_call_settings, kind, setting, timeout=120):
+        assert got["text"] == "ok", got
+        assert got["error"] <= TOL and got["again"] <= TOL, got
+
+
+def grad_mode_split(at_first: bool) -> dict[str, Any]:
+    """Rank 1 alone runs under no_grad (at the first call, or after a consistent one):
+    HaloError on every rank at once; then consistent calls are exact again (the ranks'
+    agreements did not split)."""
+    case = _Conv("conv1d")
+    before = "skipped" if at_first else case.call()
+    text, seconds = _outcome(lambda: case.call(grad=case.rank != 1))
+    return {"before": before, "text": text, "seconds": seconds,
+            "after": [case.call(), case.call(grad=False), case.call()]}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("at_first", [True, False])
+def test_grad_mode_on_one_rank_raises_everywhere(gloo: Callable[[int], Any],
+                                                 at_first: bool) -> None:
+    results = gloo(2).run(grad_mode_split, at_first, timeout=120)
+    for got in results:
+        assert got["text"].startswith("HaloError: "), got
+        assert got["seconds"] < AT_ONCE_S, got
+        assert max(got["after"]) <= TOL, got
+    if at_first:
+        assert all("ranks disagree on requires_grad: [1, 0]" in r["text"] for r in results)
+    else:
+        assert "in ['requires_grad', 'grad_enabled']" in results[1]["text"], results[1]
+        assert "rank(s) [1] of the group passed" in results[0]["text"], results[0]
+
+
+def every_rank_changes() -> list[float]:
+    """Grad mode, requires_grad and the global length changed on every rank alike: agreed
+    afresh, exact each time."""
+    case = _Conv("conv1d")
+    errors = [case.call(), case.call(grad=False), case.call()]
+    case.full = seeded_randn((1, 2, 9), 2).double()
+    errors += [case.call(), case.call(grad=False)]
+    return errors
+
+
+@pytest.mark.gloo
+def test_changes_on_every_rank_are_agreed_afresh(gloo: Callable[[int], Any]) -> None:
+    for errors in gloo(2).run(every_rank_changes, timeout=120):
+        assert max(errors) <= TOL, errors
