@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
@@ -160,3 +161,69 @@ def every_rank_changes() -> list[float]:
 def test_changes_on_every_rank_are_agreed_afresh(gloo: Callable[[int], Any]) -> None:
     for errors in gloo(2).run(every_rank_changes, timeout=120):
         assert max(errors) <= TOL, errors
+
+
+class _Attention(nn.Module):
+    """A VAE mid-block: GroupNorm, then single-head attention over all T*H*W tokens."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(2, channels)
+        self.q, self.k, self.v = (nn.Conv3d(channels, channels, 1) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        q, k, v = (f(h).flatten(2).transpose(1, 2) for f in (self.q, self.k, self.v))
+        o = F.scaled_dot_product_attention(q, k, v)
+        return x + o.transpose(1, 2).reshape(x.shape)
+
+
+def attention_changes(case: str) -> dict[str, Any]:
+    """An attention block agreed at its first call; then rank 1 alone (`case`) changes W
+    or its grad mode, or every rank changes H: HaloError on every rank at once, or (every
+    rank) exact; afterwards the agreed input is exact again."""
+    from haloshard import AttentionParallel, GroupNormParallel
+
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    with single_device():
+        torch.manual_seed(0)
+        twin = _Attention(4).double()
+    torch.manual_seed(0)
+    block = _Attention(4).double()
+    parallelize_module(block, mesh, {"": AttentionParallel(), "norm": GroupNormParallel()})
+
+    def error(shape: tuple[int, ...], *, grad: bool = True) -> float:
+        full = seeded_randn(shape, 2).double()
+        local = shard(full, 2, 2, rank).clone().requires_grad_(grad)
+        x = DTensor.from_local(local, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
+        with torch.set_grad_enabled(grad):
+            y = block(x).to_local()
+        with single_device():
+            want = shard(twin(full), 2, 2, rank)
+        return (y - want).abs().max().item()
+
+    agreed = (1, 4, 7, 3, 3)
+    first = error(agreed)
+    if case == "every_rank_h":
+        text, seconds = _outcome(lambda: error((1, 4, 7, 4, 3)))
+    elif case == "one_rank_w":
+        text, seconds = _outcome(lambda: error((1, 4, 7, 3, 4 if rank == 1 else 3)))
+    else:
+        text, seconds = _outcome(lambda: error(agreed, grad=rank != 1))
+    return {"first": first, "text": text, "seconds": seconds, "after": error(agreed)}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", ["one_rank_w", "one_rank_grad_mode", "every_rank_h"])
+def test_attention_changes(gloo: Callable[[int], Any], case: str) -> None:
+    results = gloo(2).run(attention_changes, case, timeout=120)
+    for got in results:
+        assert got["first"] <= TOL and got["after"] <= TOL, got
+        assert got["seconds"] < AT_ONCE_S, got
+        if case == "every_rank_h":
+            assert got["text"] == "ok", got
+        else:
+            assert got["text"].startswith("HaloError: "), got
+    if case == "one_rank_w":  # (a grad mode on one rank: the norm's gather raises first)
+        assert "rank(s) [1] of the group passed this attention block" in results[0]["text"]
+        assert "differ from those agreed at this attention block" in results[1]["text"]

@@ -250,7 +250,7 @@ def test_attention_no_metadata_collective_after_the_first_call(
         assert max(got["errors"]) <= 1e-12, got
         assert got["seconds"] < 5.0, got
     other, bad = (r["raised"] for r in results)
-    assert "differ from those agreed at this attention block's first call" in bad, bad
+    assert "differ from those agreed at this attention block's last agreement" in bad, bad
     assert "rank(s) [1] of the group passed this attention block" in other, other
 
 
