@@ -227,3 +227,50 @@ def test_attention_changes(gloo: Callable[[int], Any], case: str) -> None:
     if case == "one_rank_w":  # (a grad mode on one rank: the norm's gather raises first)
         assert "rank(s) [1] of the group passed this attention block" in results[0]["text"]
         assert "differ from those agreed at this attention block" in results[1]["text"]
+
+
+def norm_changes(case: str) -> dict[str, Any]:
+    """A GroupNormParallel agreed at its first calls; then rank 1 alone passes a chunk that
+    does not fit the DTensor's global length, or the ranks run under different
+    frame_batches: HaloError on every rank at once (yesterday: silently normalised as
+    another tensor); afterwards the agreed input is exact again."""
+    from haloshard import GroupNormParallel, frame_batches
+
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    with single_device():
+        twin = nn.GroupNorm(2, 4).double()
+    gn = nn.GroupNorm(2, 4).double()
+    parallelize_module(gn, mesh, GroupNormParallel())
+    full = seeded_randn((1, 4, 7, 2, 2), 1).double()
+
+    def error(local: torch.Tensor) -> float:
+        x = DTensor.from_local(local, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
+        y = gn(x).to_local()
+        with single_device():
+            return (y - shard(twin(full), 2, 2, rank)).abs().max().item()
+
+    local = shard(full, 2, 2, rank)
+    first = [error(local), error(local)]
+    if case == "chunk_length":
+        text, seconds = _outcome(lambda: error(local[:, :, :1] if rank == 1 else local))
+    else:
+        def batches() -> None:
+            with frame_batches((3, 4) if rank == 0 else (4, 3)):
+                error(local)
+        text, seconds = _outcome(batches)
+    return {"first": first, "text": text, "seconds": seconds, "after": error(local)}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(("case", "message"), [
+    ("chunk_length", r"chunk lengths \[4, 1\] \(rank by rank\) along the sharded dim do not "
+                     r"match its global length 7, which splits as \[4, 3\]"),
+    ("frame_batches", r"ranks disagree on segments \(a code of the segment / frame_batches")])
+def test_norm_disagreements(gloo: Callable[[int], Any], case: str, message: str) -> None:
+    import re
+
+    for got in gloo(2).run(norm_changes, case, timeout=120):
+        assert max(got["first"]) <= TOL and got["after"] <= TOL, got
+        assert got["text"].startswith("HaloError: "), got
+        assert re.search(message, got["text"]), got
+        assert got["seconds"] < AT_ONCE_S, got

@@ -266,7 +266,9 @@ class _GroupNormForward(_LocalForward):
         return group_norm(site.local, gn.num_groups, gn.weight, gn.bias, gn.eps,
                           (site.mesh, site.axis), segments=_segments.at(site.length),
                           dim=self.dim,
-                          other_groups=[(site.mesh, axis) for axis, _ in site.others])
+                          other_groups=[(site.mesh, axis) for axis, _ in site.others],
+                          # a DTensor's global length: every rank's chunk is checked
+                          global_length=None if site.placements is None else site.length)
 
     def site(self, x: torch.Tensor) -> _Site:
         # statistics combine over every mesh axis that shards a spatial dim (T and H)
