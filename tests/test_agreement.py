@@ -274,3 +274,85 @@ def test_norm_disagreements(gloo: Callable[[int], Any], case: str, message: str)
         assert got["text"].startswith("HaloError: "), got
         assert re.search(message, got["text"]), got
         assert got["seconds"] < AT_ONCE_S, got
+
+
+def packed_on_one_rank(case: str) -> dict[str, Any]:
+    """Only rank 1 enters `packed` (at the layer's first call, or after an agreed call), or
+    the ranks pass different `cu_seqlens`: HaloError on every rank at once (yesterday: a
+    gloo abort, or every rank waiting); afterwards calls are exact, packed or not."""
+    from haloshard import packed
+
+    case_ = _Conv("conv1d")
+    rank = case_.rank
+    first = "skipped" if case == "first_call" else case_.call()
+
+    def step() -> None:
+        if case == "cu_seqlens":
+            with packed([0, 3, 7] if rank == 0 else [0, 4, 7]):
+                case_.call()
+        elif rank == 1:
+            with packed([0, 3, 7]):
+                case_.call()
+        else:
+            case_.call()
+
+    text, seconds = _outcome(step)
+    after = [case_.call()]
+    with packed([0, 7]):  # one document: the whole sequence
+        after.append(case_.call())
+    after.append(case_.call())
+    return {"first": first, "text": text, "seconds": seconds, "after": after}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", ["first_call", "steady_state", "cu_seqlens"])
+def test_packed_on_some_ranks(gloo: Callable[[int], Any], case: str) -> None:
+    results = gloo(2).run(packed_on_one_rank, case, timeout=120)
+    for got in results:
+        assert got["text"].startswith("HaloError: "), got
+        assert got["seconds"] < AT_ONCE_S, got
+        assert max(got["after"]) <= TOL, got
+    if case == "steady_state":
+        assert "runs this halo layer per document (haloshard.packed), but rank(s) [0]" in (
+            results[1]["text"]), results[1]
+    if case == "first_call":
+        assert "ranks are in different collectives" in results[0]["text"], results[0]
+
+
+def plain_chunk_changes(case: str) -> dict[str, Any]:
+    """Plain-chunk inputs (a 1-D mesh given at parallelize time) gather a small row every
+    call; after an agreed call rank 1 alone changes its batch or dtype: HaloError on every
+    rank at once, from that row; afterwards the agreed input is exact again."""
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    with single_device():
+        twin = _conv("conv1d")
+    conv = _conv("conv1d")
+    parallelize_module(conv, mesh, HaloParallel(overlap=False))
+    full = _full("conv1d")
+
+    def error(local: torch.Tensor) -> float:
+        y = conv(local)
+        with single_device():
+            return (y - shard(twin(full), 2, 2, rank)).abs().max().item()
+
+    local = shard(full, 2, 2, rank)
+    first = error(local)
+    if case == "batch":
+        bad = torch.cat([local, local]) if rank == 1 else local
+    else:
+        bad = local.float() if rank == 1 else local
+    text, seconds = _outcome(lambda: error(bad))
+    return {"first": first, "text": text, "seconds": seconds, "after": error(local)}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(("case", "message"), [
+    ("batch", r"ranks disagree on the halo module's input size of dim 0: \[1, 2\]"),
+    ("dtype", r"input dtype: \['torch.float64', 'torch.float32'\]")])
+def test_plain_chunk_signature(gloo: Callable[[int], Any], case: str, message: str) -> None:
+    import re
+
+    for got in gloo(2).run(plain_chunk_changes, case, timeout=120):
+        assert got["first"] <= TOL and got["after"] <= TOL, got
+        assert re.search(message, got["text"]), got
+        assert got["seconds"] < AT_ONCE_S, got

@@ -252,6 +252,31 @@ def _reuse_agreed(
                     "only in the length of the sharded dim")
 
 
+def leave_agreement(store: dict[Any, Any], group: Group, what: str) -> None:
+    """Before a call site runs without its halo move this call (`what`, e.g. per document
+    under `packed`): join the move of its last agreement on `group` with placeholder rows
+    and status `_CHANGED`, so peers that run the move raise `HaloError` with this rank
+    instead of waiting in a collective it never starts. When every rank leaves alike, the
+    agreements are dropped (the next call with a halo agrees afresh)."""
+    keys = [k for k in store if k[1] == id(group.pg)]
+    if not keys:
+        return
+    row, lengths, dtype, slice_shape, device, _ = store[keys[-1]]
+    left, right = row[_FIELDS.index("left")], row[_FIELDS.index("right")]
+    pad = (PAD_MODES + LENIENT_PADS)[row[_FIELDS.index("pad")]]
+    if left or right:
+        recv, send, _ = _split_plan(group.rank, lengths, left, right, pad, group.size)
+        placeholder = torch.zeros((sum(send), *slice_shape), dtype=dtype, device=device)
+        statuses = _comm.statuses(_comm.start_flagged_all_to_all(
+            placeholder, recv, send, group, flag=_CHANGED))
+        if set(statuses) != {_CHANGED}:
+            kept = [r for r, f in enumerate(statuses) if f != _CHANGED]
+            raise HaloError(f"this rank runs this halo layer {what}, but rank(s) {kept} of "
+                            "the group run its halo move: every rank must enter it alike")
+    for key in keys:
+        del store[key]
+
+
 def shown_row(row: list[int]) -> dict[str, Any]:
     """A metadata row as a message shows it."""
     return {f: shown(f, [v])[0] for f, v in zip(_FIELDS, row, strict=True) if v != -1}

@@ -41,7 +41,7 @@ from haloshard._compat import (
 )
 from haloshard._conv import halo_conv, slow_window, taps_layout
 from haloshard._errors import HaloError
-from haloshard._exchange import Reuse, exchange
+from haloshard._exchange import Reuse, _dtype_code, exchange, leave_agreement, shown
 from haloshard._forward import (
     _HANDLE,
     HaloHandle,
@@ -588,18 +588,44 @@ def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None, *, several: bool =
                             "HaloParallel (parallelize_module) or pass a DTensor")
         raise HaloError(f"a plain-tensor input needs a 1-D mesh, got a {mesh.ndim}-D mesh; "
                         "pass a DTensor or the cp sub-mesh")
-    # Plain chunks agree on their lengths; a bad input on one rank rides in the same row,
-    # so every rank raises instead of the others waiting.
-    row = (maybe_run_for_local_tensor(lambda t: torch.tensor([t.shape[dim], 0]))(x) if fits
-           else torch.tensor([0, 1]))
-    rows = _comm.gather_ints(row, _comm.resolve_group((mesh, 0)))
-    bad = [r for r, (_, flag) in enumerate(rows) if flag]
+    # Plain chunks agree on their lengths, and on the rest of their signature in the same
+    # row (a dtype or batch changed on one rank raises on every rank now, not in a later
+    # collective); a bad input on one rank rides in it too, so every rank raises instead
+    # of the others waiting.
+    row = (_input_row(x, dim) if fits
+           else torch.tensor([0, 1] + [-1] * (len(_INPUT_FIELDS) - 2)))
+    rows = _comm.gather_ints(row, _comm.resolve_group((mesh, 0)), "halo input exchange")
+    bad = [r for r, got in enumerate(rows) if got[1]]
     if bad:
         raise HaloError(problem if not fits else f"rank(s) {bad} of the group passed this "
                         f"halo module an input without dim {dim}; expected a tensor with it")
+    _check_inputs(rows)
     shape = tuple(sum(r[0] for r in rows) if i == dim else int(s)
                   for i, s in enumerate(x.shape))
     return _Site(x, mesh, 0, None, shape, dim)
+
+
+_INPUT_FIELDS = ("length", "error", "ndim", "dtype", "requires_grad", "grad_enabled",
+                 *(f"size of dim {i}" for i in range(8)))
+
+
+@maybe_run_for_local_tensor
+def _input_row(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """A plain chunk's row: its length along `dim`, then what every rank must share."""
+    d = dim % t.ndim
+    sizes = [-1 if i == d else int(n) for i, n in enumerate(t.shape[:8])]
+    return torch.tensor([t.shape[d], 0, t.ndim, _dtype_code(t.dtype), int(t.requires_grad),
+                         int(torch.is_grad_enabled()), *sizes, *[-1] * (8 - len(sizes))])
+
+
+@maybe_run_for_local_tensor
+def _check_inputs(rows: list[list[int]]) -> None:
+    for i, field in enumerate(_INPUT_FIELDS[2:], start=2):
+        values = [r[i] for r in rows]
+        if len(set(values)) > 1:
+            raise HaloError(f"ranks disagree on the halo module's input {field}: "
+                            f"{shown(field, values)} (rank by rank); expected plain chunks "
+                            "that differ only in the length of the sharded dim")
 
 
 def _dtensor_site(x: DTensor, dim: int, *, several: bool = False) -> _Site:
@@ -908,6 +934,9 @@ def _packed_conv(forward: _HaloForward, site: _Site) -> Any:
     halo layer would mix documents: it raises."""
     module, dim = forward.module, forward.annotation.dim
     spec = forward.annotation.spec
+    # peers outside `packed` would run the halo move agreed before: join it
+    leave_agreement(forward.agreed, _comm.resolve_group((site.mesh, site.axis)),
+                    "per document (haloshard.packed)")
     if spec is not None and not isinstance(module, DERIVABLE):
         return rewrap(_packed_wrapper(forward, site, spec), site, dim, site.length)
     # known_forward() sees the halo forward now attached: ask about the class instead.
