@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from haloshard import HaloError, HaloParallel, reduce_grads
+from haloshard import HaloError, HaloParallel, reduce_grads, set_timeout
 from haloshard.testing import seeded_randn, shard, single_device, worker_mesh
 
 AT_ONCE_S = 5.0  # well under the group's 60 s timeout: raised at once, not at a timeout
@@ -356,3 +356,45 @@ def test_plain_chunk_signature(gloo: Callable[[int], Any], case: str, message: s
         assert got["first"] <= TOL and got["after"] <= TOL, got
         assert re.search(message, got["text"]), got
         assert got["seconds"] < AT_ONCE_S, got
+
+
+def attention_empty_h(height: int) -> dict[str, Any]:
+    """AttentionParallel on a (t, h) mesh where H = 1 leaves the second h rank without a
+    row: every rank runs (no rank raises alone), exact against one device."""
+    from haloshard import AttentionParallel, GroupNormParallel, LocalParallel
+
+    mesh = worker_mesh((2, 2), mesh_dim_names=("t", "h"))
+    set_timeout(mesh, 20)  # the submeshes' default is 30 minutes
+    with single_device():
+        torch.manual_seed(0)
+        twin = _Attention(4).double()
+        full = seeded_randn((1, 4, 5, height, 3), 3).double()
+        ref_in = full.clone().requires_grad_()
+        ref = twin(ref_in)
+        ref.sum().backward()
+    torch.manual_seed(0)
+    block = _Attention(4).double()
+    # a rank without a row runs the 1x1 convs on a spare one (a conv refuses an empty input)
+    parallelize_module(block, mesh["t"], {"": AttentionParallel(), "norm": GroupNormParallel(),
+                                          "q": LocalParallel(), "k": LocalParallel(),
+                                          "v": LocalParallel()})
+    x = distribute_tensor(full, mesh, [Shard(2), Shard(3)]).requires_grad_()
+    out: list[DTensor] = []
+    text, seconds = _outcome(lambda: (out.append(block(x)), out[0].sum().backward()))
+    if text != "ok":
+        return {"text": text, "seconds": seconds}
+    for axis in ("t", "h"):
+        reduce_grads(block, mesh, mesh_axis=axis)
+    errors = [(out[0].full_tensor() - ref).abs().max().item(),
+              (x.grad.full_tensor() - ref_in.grad).abs().max().item()]
+    errors += [(p.grad - q.grad).abs().max().item()
+               for p, q in zip(block.parameters(), twin.parameters(), strict=True)]
+    return {"text": text, "seconds": seconds, "error": max(errors)}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("height", [1, 3])
+def test_attention_empty_h_shard(gloo: Callable[[int], Any], height: int) -> None:
+    for got in gloo(4).run(attention_empty_h, height, timeout=180):
+        assert got["text"] == "ok", got
+        assert got["error"] <= TOL, got

@@ -51,8 +51,10 @@ def _problem(tensors: tuple[torch.Tensor, ...], dim: int, global_length: object,
             return problem
         if not -t.ndim <= dim < t.ndim or t.ndim > _MAX_DIMS:
             return f"dim {dim} is out of range for a {t.ndim}-D tensor (at most {_MAX_DIMS})"
-    if not isinstance(frame, int) or isinstance(frame, bool) or frame < 1:
-        return f"frame must be a positive int, got {frame!r}"
+    # 0: a rank without a row of a second sharded dim (H) gathers frames of no tokens
+    # along T, with the ranks of its T group, which hold no row either
+    if not isinstance(frame, int) or isinstance(frame, bool) or frame < 0:
+        return f"frame must be a non-negative int, got {frame!r}"
     return _length_problem(global_length) or (
         "global_length= is required" if global_length is None else None)
 
