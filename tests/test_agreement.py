@@ -398,3 +398,69 @@ def test_attention_empty_h_shard(gloo: Callable[[int], Any], height: int) -> Non
     for got in gloo(4).run(attention_empty_h, height, timeout=180):
         assert got["text"] == "ok", got
         assert got["error"] <= TOL, got
+
+
+class _Modulated(nn.Module):
+    """A block whose own forward meets its frames with per-sample tensors: a timestep
+    embedding and a learned scale/shift table (LTX-Video's timestep conditioning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+        self.table = nn.Parameter(torch.randn(2, 2, 1, 1, 1))
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        shift, scale = (temb.view(-1, 1, 1, 1, 1) * self.table).unbind(0)
+        return self.conv(x) * (1 + scale) + shift
+
+
+def replicated_args(case: str) -> dict[str, Any]:
+    """ReplicatedArgsParallel takes the plain per-sample tensors as replicated: agreed at
+    every call. The same table on every rank is exact (output, input, table, conv and
+    embedding gradients); a table that differs on rank 1 (values, or one more tensor)
+    raises HaloError on every rank at once (yesterday: silently wrong)."""
+    from haloshard import ReplicatedArgsParallel
+
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    with single_device():
+        twin = _Modulated().double()
+        full = seeded_randn((1, 2, 7, 3, 3), 4).double()
+        x_ref, t_ref = full.clone().requires_grad_(), torch.tensor([0.7, -0.3]).double()
+        t_ref.requires_grad_()
+        twin(x_ref, t_ref).sum().backward()
+    block = _Modulated().double()
+    parallelize_module(block, mesh, {"": ReplicatedArgsParallel(), "conv": HaloParallel()})
+    temb = torch.tensor([0.7, -0.3]).double()
+    if case == "values" and rank == 1:
+        temb = torch.tensor([0.7, -0.2]).double()
+    local = shard(full, 2, 2, rank).clone().requires_grad_()
+    x = DTensor.from_local(local, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
+    temb.requires_grad_()
+    out: list[DTensor] = []
+    text, seconds = _outcome(lambda: out.append(block(x, temb)))
+    if text != "ok":
+        return {"text": text, "seconds": seconds}
+    out[0].to_local().sum().backward()
+    reduce_grads(block, mesh)
+    with single_device():
+        y_ref = shard(twin(full, t_ref.detach()).detach(), 2, 2, rank)
+    errors = [(out[0].to_local() - y_ref).abs().max().item(),
+              (local.grad - shard(x_ref.grad, 2, 2, rank)).abs().max().item()]
+    errors += [(p.grad - q.grad).abs().max().item()
+               for p, q in zip(block.parameters(), twin.parameters(), strict=True)]
+    summed = temb.grad.clone()
+    dist.all_reduce(summed)  # the embedding's gradient: per-rank partial sums
+    errors.append((summed - t_ref.grad).abs().max().item())
+    return {"text": text, "seconds": seconds, "error": max(errors)}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", ["same", "values"])
+def test_replicated_args_agreed(gloo: Callable[[int], Any], case: str) -> None:
+    for got in gloo(2).run(replicated_args, case, timeout=120):
+        assert got["seconds"] < AT_ONCE_S, got
+        if case == "same":
+            assert got["text"] == "ok" and got["error"] <= TOL, got
+        else:
+            assert "ranks disagree on the plain tensors passed beside" in got["text"], got
