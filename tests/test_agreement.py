@@ -464,3 +464,44 @@ def test_replicated_args_agreed(gloo: Callable[[int], Any], case: str) -> None:
             assert got["text"] == "ok" and got["error"] <= TOL, got
         else:
             assert "ranks disagree on the plain tensors passed beside" in got["text"], got
+
+
+def two_axes_change(case: str) -> dict[str, Any]:
+    """A conv on a (t, h) mesh, T and H sharded, agreed at its first call; then rank 0's
+    local T (one frame more) or H (one row less) changes with the agreed global shape:
+    HaloError on all four ranks at once, those of the other axis included (yesterday:
+    wrong numbers there); afterwards the agreed input is exact again."""
+    mesh = worker_mesh((2, 2), mesh_dim_names=("t", "h"))
+    set_timeout(mesh, 20)  # the submeshes' default is 30 minutes
+    with single_device():
+        torch.manual_seed(0)
+        twin = nn.Conv3d(2, 2, 3, padding=1).double()
+        full = seeded_randn((1, 2, 7, 5, 3), 5).double()
+        want = twin(full).detach()
+    torch.manual_seed(0)
+    conv = nn.Conv3d(2, 2, 3, padding=1).double()
+    parallelize_module(conv, mesh["t"], HaloParallel())
+    placements = [Shard(2), Shard(3)]
+    good = distribute_tensor(full, mesh, placements).to_local()
+
+    def error(local: torch.Tensor) -> float:
+        x = DTensor.from_local(local, mesh, placements, shape=full.shape, stride=full.stride())
+        y = conv(x).to_local()
+        with single_device():
+            return (y - distribute_tensor(want, mesh, placements).to_local()).abs().max().item()
+
+    first = error(good)
+    bad = good
+    if dist.get_rank() == 0:
+        bad = (torch.cat([good, good[:, :, :1]], dim=2) if case == "t" else good[:, :, :, 1:])
+    text, seconds = _outcome(lambda: error(bad.contiguous()))
+    return {"first": first, "text": text, "seconds": seconds, "after": error(good)}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", ["t", "h"])
+def test_two_axes_change_on_one_rank(gloo: Callable[[int], Any], case: str) -> None:
+    for got in gloo(4).run(two_axes_change, case, timeout=180):
+        assert got["first"] <= TOL and got["after"] <= TOL, got
+        assert got["text"].startswith("HaloError: "), got
+        assert got["seconds"] < AT_ONCE_S, got

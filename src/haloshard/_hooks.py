@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -302,16 +302,22 @@ class _HaloForward(ShardedForward):
                             f"{[site.dim, *(d for _, d in site.others)]}")
         across = {d: self.across(d, site.local.ndim) for _, d in site.others}
         reuse, uniform = self.reuse(site), enabled_local_tensor_mode() is not None
-        x, plans = site.local, []
+        x, plans, stencils = site.local, [], []
         for axis, d in ((site.axis, site.dim), *site.others):
             found = across.get(d)
             stencil = self.annotation.stencil if d == site.dim else found and found[0]
             if stencil is None:  # slice by slice along d: the local chunk is its window
                 continue
             plan = plan_windows(stencil, site.shape[d], site.mesh.size(axis), uniform=uniform)
-            x = _window(replace(site, local=x, axis=axis, dim=d), plan,
-                        Annotation(None, d, stencil), reuse)
             plans.append((axis, d, plan))
+            stencils.append(stencil)
+        for i, ((axis, d, plan), stencil) in enumerate(zip(plans, stencils, strict=True)):
+            try:
+                x = _window(replace(site, local=x, axis=axis, dim=d), plan,
+                            Annotation(None, d, stencil), reuse)
+            except HaloError:
+                _fail_later_axes(site, plans[i + 1 :], stencils[i + 1 :], reuse)
+                raise
         y = self.run_across(x, across, *args, **kwargs)
         if isinstance(y, torch.Tensor) and self.annotation.spec is not None:
             sizes = tuple(n + z for n, z in zip(plans[0][2].win_len, plans[0][2].win_zeros,
@@ -457,6 +463,20 @@ class _HaloForward(ShardedForward):
         self.trials[key] = rounds
         mine = torch.tensor([min(times[False]), min(times[True])])
         return _overlap_kept(_comm.gather_ints(mine, group, what="choice of formulation"))
+
+
+def _fail_later_axes(site: _Site, plans: list[tuple[int, int, WindowPlan]],
+                     stencils: list[Stencil], reuse: Reuse) -> None:
+    """This rank raised in an exchange along one mesh axis: join the exchanges along the
+    later axes with its error flagged (the agreed move with placeholder rows, or the
+    metadata gather), so the peers of those axes, which never saw the first one, raise at
+    once instead of waiting for it."""
+    for (axis, d, plan), stencil in zip(plans, stencils, strict=True):
+        with suppress(HaloError):
+            exchange(site.local, plan.left, plan.right, d, (site.mesh, axis),
+                     pad=_exchange_pad(stencil, plan), global_length=plan.length,
+                     reuse=reuse, problem="a peer on another mesh axis raised HaloError in "
+                     "its halo exchange for this layer (see the error on that rank)")
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
