@@ -505,3 +505,41 @@ def test_two_axes_change_on_one_rank(gloo: Callable[[int], Any], case: str) -> N
         assert got["first"] <= TOL and got["after"] <= TOL, got
         assert got["text"].startswith("HaloError: "), got
         assert got["seconds"] < AT_ONCE_S, got
+
+
+def extra_forward_then_reduce_grads() -> dict[str, Any]:
+    """After agreed training steps, rank 1 alone runs an extra no_grad forward, then every
+    rank calls reduce_grads: rank 1 waits in the layer's halo move, the others in
+    reduce_grads' gather. No abort (yesterday: SIGABRT): HaloError on both ranks within
+    the group's timeout (10 s here), naming the collective each waited in. Not at once:
+    the two wait in collectives of different kinds, which no flag can ride in."""
+    case = _Conv("conv1d")
+    case.call()
+    case.call()
+    set_timeout(case.mesh, 10)
+    try:
+        def step() -> None:
+            if case.rank == 1:
+                with torch.no_grad():
+                    case.conv(DTensor.from_local(shard(case.full, 2, 2, 1), case.mesh,
+                                                 [Shard(2)], shape=case.full.shape,
+                                                 stride=case.full.stride()))
+            reduce_grads(case.conv, case.mesh)
+
+        text, seconds = _outcome(step)
+    finally:
+        set_timeout(case.mesh, 60)
+    return {"text": text, "seconds": seconds}
+
+
+@pytest.mark.gloo
+def test_extra_forward_on_one_rank_does_not_abort() -> None:
+    from haloshard.testing import GlooWorld
+
+    # its own world: a timed-out gloo pair leaves a group unusable for the next test
+    with GlooWorld(2, pg_timeout=60) as world:
+        results = world.run(extra_forward_then_reduce_grads, timeout=120)
+    for got in results:
+        assert got["text"].startswith("HaloError: "), got
+        assert "did not complete" in got["text"], got
+        assert got["seconds"] < 40, got  # the 10 s timeout, with margin for load
