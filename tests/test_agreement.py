@@ -347,8 +347,10 @@ def plain_chunk_changes(case: str) -> dict[str, Any]:
 
 @pytest.mark.gloo
 @pytest.mark.parametrize(("case", "message"), [
-    ("batch", r"ranks disagree on the halo module's input size of dim 0: \[1, 2\]"),
-    ("dtype", r"input dtype: \['torch.float64', 'torch.float32'\]")])
+    ("batch", r"ranks disagree on size of dim 0: \[1, 2\] \(rank by rank\); every rank must "
+              "pass this halo module a plain chunk"),
+    ("dtype", r"ranks disagree on dtype: \['torch.float64', 'torch.float32'\] \(rank by "
+              r"rank\); every rank must pass this halo module a plain chunk")])
 def test_plain_chunk_signature(gloo: Callable[[int], Any], case: str, message: str) -> None:
     import re
 

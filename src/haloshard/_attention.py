@@ -216,10 +216,11 @@ def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *
     """`gather_along` for several tensors of one split (e.g. K and V): one metadata row and
     one all-gather for all of them.
 
-    `reuse`: a call site's store and the call's global signature (the same on every rank,
-    from DTensor metadata): agreed with the metadata row once, later calls check this rank
-    locally and carry a mistake as a status row inside the all-gather (no metadata
-    collective in steady state; `HaloError` on every rank still).
+    `reuse`: a call site's store and the call's signature: agreed with the metadata row
+    once per site, later calls compare this rank's row and signature with the agreed ones
+    locally and carry a mistake or a change as a status row inside the all-gather (no
+    metadata collective in steady state): `HaloError` on every rank when some ranks
+    differ, a fresh agreement when every rank changed alike.
 
     Example::
         >>> k_all, v_all = gather_many((k, v), 2, mesh, global_length=13)

@@ -241,7 +241,8 @@ def statuses(moved: Pending) -> list[int]:
 
 def check_flags(flags: torch.Tensor, what: str) -> None:
     """`HaloError` when a peer raised its status flag (one element per rank): it found a
-    mistake in `what` every rank agreed on at the call site's first call. On an accelerator
+    mistake or a change in `what` every rank agreed on at the call site's last agreement.
+    On an accelerator
     the check is deferred to the device (a failure is a device assert, no host sync)."""
     if flags.device.type != "cpu":
         assert_async(flags.eq(0).all(), "a peer raised HaloError for this layer")
@@ -249,8 +250,7 @@ def check_flags(flags: torch.Tensor, what: str) -> None:
     raised = [rank for rank, f in enumerate(flags.tolist()) if f]
     if raised:
         raise HaloError(f"rank(s) {raised} of the group passed {what} every rank agreed on "
-                        "at its first call with this global shape (see the error on those "
-                        "ranks)")
+                        "at its last agreement (see the error on those ranks)")
 
 
 def start_flagged_all_to_all(

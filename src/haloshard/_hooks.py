@@ -237,8 +237,8 @@ class _HaloForward(ShardedForward):
         self.per_slice: tuple[int, ...] = ()
 
     def fresh(self) -> None:
-        # Agreements of earlier calls, by global signature: a layer validates its arguments
-        # on every rank once per input signature, later calls issue no metadata collective.
+        # The last agreement of each exchange (see `Reuse`): a layer validates its arguments
+        # on every rank when its signature changes, later calls issue no metadata collective.
         self.agreed: dict[Any, Any] = {}
         self.chosen: dict[Any, bool] = {}  # overlap or not, by global input signature
         self.trials: dict[Any, int] = {}  # rounds each formulation was timed, by signature
@@ -295,7 +295,8 @@ class _HaloForward(ShardedForward):
         corners a 3x3x3 kernel reads from its diagonal neighbour); the module runs once on
         the window with its padding removed along each dim; each dim keeps this rank's
         outputs. Along the other dims the stencil is `across`'s; a dim the layer treats
-        slice by slice takes no halo. Agreed once per input signature, as one dim is."""
+        slice by slice takes no halo. Agreed as one dim is; a rank that raises along one axis
+        still joins the later axes' exchanges, flagged (`_fail_later_axes`)."""
         if active_boundaries() is not None:
             raise HaloError("packed documents (haloshard.packed) need an input sharded on "
                             f"one dim, got one sharded on dims "
@@ -643,9 +644,9 @@ def _check_inputs(rows: list[list[int]]) -> None:
     for i, field in enumerate(_INPUT_FIELDS[2:], start=2):
         values = [r[i] for r in rows]
         if len(set(values)) > 1:
-            raise HaloError(f"ranks disagree on the halo module's input {field}: "
-                            f"{shown(field, values)} (rank by rank); expected plain chunks "
-                            "that differ only in the length of the sharded dim")
+            raise HaloError(f"ranks disagree on {field}: {shown(field, values)} (rank by "
+                            "rank); every rank must pass this halo module a plain chunk "
+                            "that differs only in the length of the sharded dim")
 
 
 def _dtensor_site(x: DTensor, dim: int, *, several: bool = False) -> _Site:
