@@ -22,6 +22,7 @@ rounding may differ in the last bits).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -655,6 +656,7 @@ def halo_conv(
     padding: int | tuple[int, ...] = 0, dilation: int | tuple[int, ...] = 1, groups: int = 1,
     pad: str = "zeros", transport: str | None = None, global_length: int | None = None,
     overlap: bool = True, _reuse: Reuse | None = None, _path: str | None = None,
+    _choose: Callable[[], bool] | None = None,
 ) -> torch.Tensor:
     """`F.conv1d/2d/3d` on a `Shard(dim)` chunk, padded along `dim` by the halo.
 
@@ -676,6 +678,8 @@ def halo_conv(
             exchanging first, for all ranks alike. False always exchanges first.
         _path: force a formulation (`CORRECTED`, `SPLIT` or `WHOLE`; for measurements);
             one that does not fit the chunks falls back as above.
+        _choose: decides `overlap` once the exchange has agreed (haloshard's layers: the
+            choice must be looked up alike on every rank).
 
     Returns:
         This rank's `Shard(dim)` chunk of the global convolution's output.
@@ -689,6 +693,8 @@ def halo_conv(
     move, lengths = prepare_halo(x, left, right, dim, group, pad=pad, transport=transport,
                                  global_length=global_length, problem=problem, reuse=_reuse)
     assert args is not None  # a problem raised on every rank in prepare_halo
+    if _choose is not None and move is not None:  # agreed: every rank chooses alike
+        overlap = _choose()
     n = weight.ndim - 2
     path = _formulation(overlap, _path, min(lengths), left, right)
     spare = min(lengths) == 0
