@@ -296,6 +296,11 @@ class _GroupNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():
+            # create_graph: this backward is written out with the statistics as constants,
+            # so its own gradient would miss their dependence on x (silently wrong).
+            raise HaloError("group_norm is differentiable once: a backward with "
+                            "create_graph=True (double backward) through it is not supported")
         x, weight, mean, rstd, count = ctx.saved_tensors
         seg = ctx.seg
         work = torch.promote_types(x.dtype, torch.float32)
