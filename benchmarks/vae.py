@@ -72,9 +72,10 @@ MiB = 2**20
 
 # ---------------------------------------------------------------- counters
 @contextlib.contextmanager
-def peak_bytes(device: str) -> Iterator[dict[str, int]]:
-    """`out["peak"]`: the peak bytes allocated in the block above its start."""
-    out = {"peak": 0}
+def peak_bytes(device: str) -> Iterator[dict[str, Any]]:
+    """`out["peak"]`: the peak bytes allocated in the block above its start; on CPU also
+    `out["where"]`: the scopes open at that moment (see `module_scopes`), outermost first."""
+    out: dict[str, Any] = {"peak": 0, "where": ""}
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -87,12 +88,13 @@ def peak_bytes(device: str) -> Iterator[dict[str, int]]:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield out
-    out["peak"] = _profiled_peak(prof)
+    out["peak"], out["where"] = _profiled_peak(prof)
 
 
-def _profiled_peak(prof: Any) -> int:
+def _profiled_peak(prof: Any) -> tuple[int, str]:
     """The running sum of the allocations (positive) and frees (negative) the profiler
-    recorded, in time order: its maximum (benchmarks/matrix.py's counter)."""
+    recorded, in time order: its maximum (benchmarks/matrix.py's counter), and the scopes
+    around the allocation that reached it."""
     from torch._C._profiler import _EventType
 
     pending, events = list(prof.profiler.kineto_results.experimental_event_tree()), []
@@ -100,12 +102,54 @@ def _profiled_peak(prof: Any) -> int:
         node = pending.pop()
         pending.extend(node.children)
         if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+            events.append((node.start_time_ns, node.extra_fields.alloc_size, node))
     live = peak = 0
-    for _, size in sorted(events, key=lambda e: e[0]):
+    at = None
+    for _, size, node in sorted(events, key=lambda e: e[0]):
         live += size
-        peak = max(peak, live)
-    return peak
+        if live > peak:
+            peak, at = live, node
+    return peak, _scopes(at)
+
+
+def _scopes(node: Any) -> str:
+    """The module scopes around a profiler event and the op it belongs to."""
+    names: list[str] = []
+    while node is not None and node.parent is not None:
+        node = node.parent
+        if (node.name.startswith(("module:", "autograd::engine::evaluate_function"))
+                or not names):
+            names.append(node.name.removeprefix("module:"))
+    return " < ".join(names)
+
+
+@contextlib.contextmanager
+def module_scopes(model: nn.Module) -> Iterator[None]:
+    """A profiler scope named `module:<fqn>` around each submodule's call (forward only;
+    the backward's peak shows the autograd node instead)."""
+    stack: list[Any] = []
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            scope = torch.autograd.profiler.record_function(f"module:{name}")
+            scope.__enter__()
+            stack.append(scope)
+        return hook
+
+    def leave(*_: Any) -> None:
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    handles = []
+    for name, module in model.named_modules():
+        if name:
+            handles += [module.register_forward_pre_hook(enter(name)),
+                        module.register_forward_hook(leave, always_call=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _ring(group: Any) -> int:
@@ -279,16 +323,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _measure(step: Callable[[], Any], device: str) -> tuple[Any, dict[str, float]]:
-    """`step()` once: its result, peak bytes, compute and wall seconds, bytes sent."""
+def _measure(step: Callable[[], Any], device: str, model: nn.Module
+             ) -> tuple[Any, dict[str, Any]]:
+    """`step()` once: its result, peak bytes (and where), compute and wall seconds, bytes
+    sent."""
     dist.barrier()
-    with peak_bytes(device) as peak, bytes_sent() as sent:
+    with module_scopes(model), peak_bytes(device) as peak, bytes_sent() as sent:
         wall, cpu = time.perf_counter(), time.thread_time()
         out = step()
         _sync(device)
         cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
     compute = wall if device == "cuda" else cpu
-    return out, {"act": peak["peak"], "compute": compute, "wall": wall, "sent": sent["bytes"]}
+    return out, {"act": peak["peak"], "where": peak["where"], "compute": compute, "wall": wall,
+                 "sent": sent["bytes"]}
 
 
 def rank_run(job: dict[str, Any]) -> dict[str, Any]:
@@ -299,7 +346,7 @@ def rank_run(job: dict[str, Any]) -> dict[str, Any]:
     for _ in range(job["warmup"]):
         run.run()
         run.zero_grads()
-    (z, y), row = _measure(run.run, run.device)
+    (z, y), row = _measure(run.run, run.device, run.vae)
     params = sum(_nbytes(p) for p in run.vae.parameters())
     row.update(params=params * (2 if run.mode == "train" else 1),
                latent_frames=z.shape[2], frames=run.leaf.shape[2])
@@ -409,7 +456,7 @@ def _approximations(run: _Run, exact: torch.Tensor) -> dict[str, dict[str, Any]]
         if undo is None:
             continue
         try:
-            (_, y), row = _measure(run.run, run.device)
+            (_, y), row = _measure(run.run, run.device, run.vae)
             row.update(_error(y.cpu(), exact.cpu()))
         except Exception as exc:  # a diffusers variant that fails is reported, not fatal
             row = {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -463,8 +510,10 @@ def _progress(record: dict[str, Any]) -> str:
     if "error" in record:
         return f"{head} FAILED {record['error'].strip().splitlines()[-1]}"
     ranks = record["ranks"]
-    return (f"{head} act {max(r['act'] for r in ranks) / MiB:.1f} MiB, compute "
-            f"{max(r['compute'] for r in ranks):.2f} s, diff {max(r['diff'] for r in ranks):.1e}")
+    top = max(ranks, key=lambda r: r["act"])
+    return (f"{head} act {top['act'] / MiB:.1f} MiB, compute "
+            f"{max(r['compute'] for r in ranks):.2f} s, diff {max(r['diff'] for r in ranks):.1e}"
+            f"; peak in {top['where'] or '?'}")
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
