@@ -37,7 +37,7 @@ default; LTX), for decode and encode: time, peak, and the error against the exac
 (max abs, PSNR over the exact result's range).
 
     python -m benchmarks.vae --models hunyuan wan --modes decode train --ranks 1 2 4 \\
-        --frames 65 --size 128 --approx --out results.json
+        --latent-frames 16 --size 128 --approx --out results.json
 """
 
 from __future__ import annotations
@@ -215,9 +215,11 @@ def _mesh(device: str) -> DeviceMesh:
     world = dist.get_world_size()
     if device != "cuda":
         return worker_mesh(world)
-    if "mesh" not in _CACHE:  # NCCL beside the gloo group the workers start with
+    if "mesh" not in _CACHE:
+        # NCCL for CUDA tensors beside gloo for CPU ones (haloshard's metadata rows)
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-        _CACHE["mesh"] = DeviceMesh.from_group(dist.new_group(backend="nccl"), "cuda")
+        _CACHE["mesh"] = DeviceMesh.from_group(
+            dist.new_group(backend="cpu:gloo,cuda:nccl"), "cuda")
     return _CACHE["mesh"]
 
 
@@ -227,9 +229,10 @@ def _model(name: str, config: str, device: str) -> nn.Module:
     if _CACHE.get("key") != key:
         _CACHE.pop("vae", None)
         gc.collect()
+        mesh = _mesh(device) if dist.get_world_size() > 1 else None  # sets the GPU
         vae = vae_models.build(name, config).to(device)
-        if dist.get_world_size() > 1:
-            parallelize_module(vae, _mesh(device), vae_models.plan(vae))
+        if mesh is not None:
+            parallelize_module(vae, mesh, vae_models.plan(vae))
         _CACHE["key"], _CACHE["vae"] = key, vae
     return _CACHE["vae"]
 
@@ -478,10 +481,18 @@ def _error(got: torch.Tensor, exact: torch.Tensor) -> dict[str, float]:
 
 # ---------------------------------------------------------------- the driver
 def _jobs(args: argparse.Namespace, ref_dir: str) -> list[dict[str, Any]]:
-    return [{"name": name, "mode": mode, "config": args.config, "frames": args.frames,
+    return [{"name": name, "mode": mode, "config": args.config,
+             "frames": _frames(name, args),
              "size": args.size, "device": args.device, "warmup": args.warmup,
              "approx": args.approx, "ref_dir": ref_dir}
             for name in args.models for mode in args.modes]
+
+
+def _frames(name: str, args: argparse.Namespace) -> int:
+    """`--frames`, or the frames that give `--latent-frames` latent frames."""
+    if args.latent_frames is None:
+        return int(args.frames)
+    return 1 + vae_models.MODELS[name].temporal * (args.latent_frames - 1)
 
 
 def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
@@ -525,6 +536,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="P values; P = 1 (the reference) always runs")
     parser.add_argument("--frames", type=int, default=65,
                         help="video frames at most (each model takes 1 + k * its factor)")
+    parser.add_argument("--latent-frames", type=int,
+                        help="instead of --frames: this many latent frames for every model")
     parser.add_argument("--size", type=int, default=128, help="height = width, pixels")
     parser.add_argument("--config", choices=("default", "tiny"), default="default")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -590,9 +603,24 @@ def _approx_rows(record: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _peaks(records: list[dict[str, Any]]) -> list[str]:
+    """Where the busiest rank of each run peaked: the op, inside the innermost module."""
+    lines = []
+    for record in records:
+        if "error" in record:
+            continue
+        top = max(record["ranks"], key=lambda r: r["act"])
+        where = top["where"].split(" < ")[:2]
+        if where and where[0]:
+            lines.append(f"{record['model']} P={record['P']}: {' in '.join(where)}")
+    return ["", "Peaks (busiest rank): " + "; ".join(lines)] if lines else []
+
+
 def tables(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
     """One markdown table per mode (busiest rank per P), and one of diffusers' tiling."""
-    lines = [f"VAEs at their {args.config} configs, float32, video (1, 3, <= {args.frames}, "
+    length = (f"{args.latent_frames} latent frames" if args.latent_frames
+              else f"<= {args.frames} frames")
+    lines = [f"VAEs at their {args.config} configs, float32, video (1, 3, {length}, "
              f"{args.size}, {args.size}), {args.device} ({machine(args.device)}), "
              f"{time.strftime('%Y-%m-%d')}"]
     ones = {(r["model"], r["mode"]): r for r in records if r["P"] == 1}
@@ -604,6 +632,8 @@ def tables(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
         lines += [_row(r, ones.get((r["model"], mode)))
                   for name in args.models for r in records
                   if r["mode"] == mode and r["model"] == name]
+        lines += _peaks([r for name in args.models for r in records
+                         if r["mode"] == mode and r["model"] == name])
         approx = [row for name in args.models for r in records
                   if r["mode"] == mode and r["model"] == name and r["P"] == 1
                   and "error" not in r for row in _approx_rows(r)]
