@@ -75,7 +75,7 @@ MiB = 2**20
 def peak_bytes(device: str) -> Iterator[dict[str, Any]]:
     """`out["peak"]`: the peak bytes allocated in the block above its start; on CPU also
     `out["where"]`: the scopes open at that moment (see `module_scopes`), outermost first."""
-    out: dict[str, Any] = {"peak": 0, "where": ""}
+    out: dict[str, Any] = {"peak": 0, "where": "", "largest": []}
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -88,13 +88,14 @@ def peak_bytes(device: str) -> Iterator[dict[str, Any]]:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield out
-    out["peak"], out["where"] = _profiled_peak(prof)
+    out["peak"], out["where"], out["largest"] = _profiled_peak(prof)
 
 
-def _profiled_peak(prof: Any) -> tuple[int, str]:
+def _profiled_peak(prof: Any) -> tuple[int, str, list[str]]:
     """The running sum of the allocations (positive) and frees (negative) the profiler
-    recorded, in time order: its maximum (benchmarks/matrix.py's counter), and the scopes
-    around the allocation that reached it."""
+    recorded, in time order: its maximum (benchmarks/matrix.py's counter), the scopes
+    around the allocation that reached it, and the three largest buffers live then (MiB,
+    where each was allocated)."""
     from torch._C._profiler import _EventType
 
     pending, events = list(prof.profiler.kineto_results.experimental_event_tree()), []
@@ -103,13 +104,21 @@ def _profiled_peak(prof: Any) -> tuple[int, str]:
         pending.extend(node.children)
         if node.tag == _EventType.Allocation:
             events.append((node.start_time_ns, node.extra_fields.alloc_size, node))
-    live = peak = 0
-    at = None
-    for _, size, node in sorted(events, key=lambda e: e[0]):
+    events.sort(key=lambda e: e[0])
+    live = peak = top = 0
+    for i, (_, size, _) in enumerate(events):
         live += size
         if live > peak:
-            peak, at = live, node
-    return peak, _scopes(at)
+            peak, top = live, i
+    held: dict[int, tuple[int, Any]] = {}
+    for _, size, node in events[: top + 1]:
+        if size > 0:
+            held[node.extra_fields.ptr] = (size, node)
+        else:
+            held.pop(node.extra_fields.ptr, None)
+    largest = sorted(held.values(), key=lambda e: -e[0])[:3]
+    return (peak, _scopes(events[top][2]) if events else "",
+            [f"{size / MiB:.1f} {_scopes(node)}" for size, node in largest])
 
 
 def _scopes(node: Any) -> str:
@@ -337,8 +346,8 @@ def _measure(step: Callable[[], Any], device: str, model: nn.Module
         _sync(device)
         cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
     compute = wall if device == "cuda" else cpu
-    return out, {"act": peak["peak"], "where": peak["where"], "compute": compute, "wall": wall,
-                 "sent": sent["bytes"]}
+    return out, {"act": peak["peak"], "where": peak["where"], "largest": peak["largest"],
+                 "compute": compute, "wall": wall, "sent": sent["bytes"]}
 
 
 def rank_run(job: dict[str, Any]) -> dict[str, Any]:
