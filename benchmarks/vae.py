@@ -25,16 +25,19 @@ after `parallelize_module(vae, mesh, plan)` on a `Shard(2)` DTensor, gloo on CPU
 - `sent`: bytes the rank handed to c10d collectives (all-to-all: rows to other ranks;
   all-gather: its input times P - 1; reduce-scatter: (P - 1) / P of its input; all-reduce:
   2 (P - 1) / P of its buffer, a ring's share; P2P: the tensors it sends);
-- `diff`: the largest absolute difference of the rank's shard to the one-device result
-  (train: output, input gradient and the parameter gradients summed over ranks).
+- `diff` / `rel`: the largest absolute difference of the rank's shard to the one-device
+  result (train: output, input gradient and the parameter gradients summed over ranks),
+  and relative to the largest value of the same tensor;
+- `where` / `largest` (CPU): the op and module scopes around the allocation that reached
+  the peak, and the three largest buffers live then, with where each was allocated.
 
 Tables: the busiest rank of each P, the ratios `act * P / act(P=1)` and
 `compute * P / compute(P=1)` against the targets 1.15 and 1.10 (halo slices not
-subtracted). With `--approx`, on one device: `enable_tiling()` with tiles half the clip's
-side (smaller than the clip, so tiling happens) and 3/4 of that as the stride, and
-framewise (temporal tiles of half the clip) where the model has it (HunyuanVideo: its
-default; LTX), for decode and encode: time, peak, and the error against the exact result
-(max abs, PSNR over the exact result's range).
+subtracted). With `--approx`, on one device: `enable_tiling()` with two spatial tiles per
+axis (stride half the clip's side, tiles a quarter of a stride longer: smaller than the
+clip, so tiling happens), and temporal tiles of half the clip where the model has them
+(HunyuanVideo: its default; LTX), for decode and encode: time, peak, and the error against
+the exact result (max abs, PSNR over the exact result's range).
 
     python -m benchmarks.vae --models hunyuan wan --modes decode train --ranks 1 2 4 \\
         --latent-frames 16 --size 128 --approx --out results.json
@@ -304,9 +307,8 @@ class _Run:
             with torch.no_grad():
                 return self.forward()
         z, y = self.forward()
-        if self.upstream is None:  # drawn whole on every rank, then this rank's shard
-            full = seeded_randn(_global_shape(y), 3, torch.float32).to(self.device)
-            self.upstream = shard(full, 2, dist.get_world_size(), dist.get_rank())
+        if self.upstream is None:
+            self.upstream = _upstream(y)
         (y * self.upstream).sum().backward()
         return z.detach(), y.detach()
 
@@ -322,12 +324,16 @@ class _Run:
             p.grad = None
 
 
-def _global_shape(local: torch.Tensor) -> tuple[int, ...]:
+def _upstream(y: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a fixed random upstream gradient: global frame t drawn from
+    seed 1000 + t, so no rank builds the whole (with no warm-up run, each P then allocates
+    its own shard inside the measured run alike)."""
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(lengths, torch.tensor([local.shape[2]]))
-    shape = list(local.shape)
-    shape[2] = int(sum(t.item() for t in lengths))
-    return tuple(shape)
+    dist.all_gather(lengths, torch.tensor([y.shape[2]]))
+    start = int(sum(t.item() for t in lengths[: dist.get_rank()]))
+    frame = (*y.shape[:2], *y.shape[3:])
+    frames = [seeded_randn(frame, 1000 + start + t, y.dtype) for t in range(y.shape[2])]
+    return torch.stack(frames, 2).to(y.device) if frames else torch.zeros_like(y)
 
 
 def _sync(device: str) -> None:
