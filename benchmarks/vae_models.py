@@ -31,8 +31,9 @@ from haloshard.integrations.diffusers import (
     wan_encoder_plan,
 )
 
-# LTX-Video 0.9.5's decoder (diffusers' conversion script): residual depth-to-space
-# upsamplers halving the channels, conditioned on the decode timestep, no noise injection
+# LTX-Video 0.9.5's decoder (diffusers' scripts/convert_ltx_to_diffusers.py): residual
+# depth-to-space upsamplers halving the channels, conditioned on the decode timestep, no
+# noise injection
 _LTX095_DECODER = {
     "decoder_block_out_channels": (256, 512, 1024), "decoder_layers_per_block": (5, 5, 5, 5),
     "decoder_spatio_temporal_scaling": (True, True, True),
@@ -86,7 +87,7 @@ def build(name: str, config: str, seed: int = 0) -> nn.Module:
     float32, eval mode, with no frame loop of its own beyond the one its public call is.
 
     HunyuanVideo decodes and encodes in temporal tiles by default (`use_framewise_*`): the
-    exact reference turns that off; `approximations` measures it.
+    exact reference turns that off; `benchmarks.vae --approx` measures it.
     """
     import diffusers
 
