@@ -22,9 +22,10 @@ after `parallelize_module(vae, mesh, plan)` on a `Shard(2)` DTensor, gloo on CPU
 - `compute`: the rank's CPU time in its own thread (`time.thread_time`: waits on other ranks
   and gloo's transport threads excluded; on CUDA: the synchronised wall time, an upper
   bound) and `wall`: the run's wall time after a barrier;
-- `sent`: bytes the rank handed to c10d collectives (all-to-all: rows to other ranks;
-  all-gather: its input times P - 1; reduce-scatter: (P - 1) / P of its input; all-reduce:
-  2 (P - 1) / P of its buffer, a ring's share; P2P: the tensors it sends);
+- `sent`: bytes the rank handed to c10d collectives, eager and functional (DTensor's own)
+  (all-to-all: rows to other ranks; all-gather: its input times P - 1; reduce-scatter:
+  (P - 1) / P of its input; all-reduce: 2 (P - 1) / P of its buffer, a ring's share; P2P:
+  the tensors it sends);
 - `diff` / `rel`: the largest absolute difference of the rank's shard to the one-device
   result (train: output, input gradient and the parameter gradients summed over ranks),
   and relative to the largest value of the same tensor;
@@ -195,28 +196,61 @@ _SENT: dict[str, Callable[[dict[str, Any]], float]] = {
 }
 
 
+def _funcol_ring(a: dict[str, Any]) -> int:
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed._functional_collectives import _resolve_group
+
+    return int(c10d._get_group_size_by_name(_resolve_group(a["group"])))
+
+
+# functional collectives (DTensor's own redistributions, haloshard under torch.compile):
+# name -> bytes this rank sends
+_FUNCOL_SENT: dict[str, Callable[[dict[str, Any]], float]] = {
+    **{name: lambda a: _nbytes(a["self"]) * (_funcol_ring(a) - 1)
+       for name in ("all_gather_single", "all_gather_tensor", "all_gather_single_autograd",
+                    "all_gather_tensor_autograd")},
+    **{name: lambda a: _nbytes(a["self"]) * (_funcol_ring(a) - 1) / _funcol_ring(a)
+       for name in ("reduce_scatter_single", "reduce_scatter_tensor",
+                    "reduce_scatter_tensor_autograd")},
+    "all_reduce": lambda a: 2 * _nbytes(a["self"]) * (_funcol_ring(a) - 1) / _funcol_ring(a),
+}
+
+
 @contextlib.contextmanager
 def bytes_sent() -> Iterator[dict[str, float]]:
     """`out["bytes"]`: what this process hands to the eager c10d calls in `_SENT` (the only
-    ones haloshard's `_comm` issues outside torch.compile)."""
-    out = {"bytes": 0.0}
-    saved = {name: getattr(dist, name) for name in _SENT if hasattr(dist, name)}
+    ones haloshard's `_comm` issues outside torch.compile) and to the functional
+    collectives in `_FUNCOL_SENT` (DTensor's own). A call made inside another counted call
+    (one functional collective implemented by another) is not counted again."""
+    import torch.distributed._functional_collectives as funcol
 
-    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    out, depth = {"bytes": 0.0}, [0]
+    wrapped = [(dist, name, rule) for name, rule in _SENT.items() if hasattr(dist, name)]
+    wrapped += [(funcol, name, rule) for name, rule in _FUNCOL_SENT.items()
+                if hasattr(funcol, name)]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in wrapped]
+
+    def wrap(fn: Callable[..., Any], rule: Callable[[dict[str, Any]], float]
+             ) -> Callable[..., Any]:
         signature = inspect.signature(fn)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            out["bytes"] += _SENT[name](signature.bind(*args, **kwargs).arguments)
-            return fn(*args, **kwargs)
+            if depth[0] == 0:
+                out["bytes"] += rule(signature.bind(*args, **kwargs).arguments)
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
         return call
 
-    for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
+    for (module, name, rule), (_, _, fn) in zip(wrapped, saved, strict=True):
+        setattr(module, name, wrap(fn, rule))
     try:
         yield out
     finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+        for module, name, fn in saved:
+            setattr(module, name, fn)
 
 
 # ---------------------------------------------------------------- one rank
