@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -157,15 +159,16 @@ def test_halo_exchange_refuses_the_internal_pad_modes() -> None:
             halo_exchange(x, left=1, right=1, dim=2, group=mesh, pad="reflect-or-zeros")
 
 
-def test_halo_exchange_positional_form_is_deprecated() -> None:
-    """The 0.1 positional form still works for one release, with a DeprecationWarning."""
+def test_halo_exchange_takes_keywords_only() -> None:
+    """The 0.1 positional form is gone (never released): `left`, `right`, `dim`, `group`
+    are required keywords, and the signature says so."""
+    params = inspect.signature(halo_exchange).parameters
+    for name in ("left", "right", "dim", "group"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert params[name].default is inspect.Parameter.empty, name
     with simulated_mesh(2) as mesh:
         x = rank_map(mesh, lambda r: torch.arange(3.0).reshape(1, 1, 3) + 3 * r)
-        with pytest.warns(DeprecationWarning, match="left=..., right=..., dim=..., group="):
-            old = halo_exchange(x, 1, 1, 2, mesh)
-        new = halo_exchange(x, left=1, right=1, dim=2, group=mesh)
-        assert torch.equal(old, new)
-        with pytest.raises(TypeError, match="missing the keyword argument 'group'"):
-            halo_exchange(x, left=1, right=1, dim=2)
-        with pytest.raises(TypeError, match="left both by position and by keyword"):
-            halo_exchange(x, 1, left=1, right=1, dim=2, group=mesh)
+        with pytest.raises(TypeError, match="positional argument"):
+            halo_exchange(x, 1, 1, 2, mesh)  # type: ignore[misc]
+        with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'group'"):
+            halo_exchange(x, left=1, right=1, dim=2)  # type: ignore[call-arg]

@@ -238,7 +238,9 @@ def case_writes(mesh: DeviceMesh, transport: str, steady: bool) -> None:
         y = halo_exchange(chunk, left=1, right=1, dim=2, group=mesh, transport=transport, **kw)
     with _Writes() as bwd:
         torch.autograd.grad(y, chunk, grad)
-    metadata = 64  # the agreement's int rows: 2 ranks x 18 fields, less than a slice
+    # the agreement's int rows, tagged and padded to 32 ints (test_agreement.py): the row
+    # (written once, then its 21 fields) and 2 ranks x 32 gathered, less than a slice
+    metadata = 128
     for mode, bound in ((fwd, chunk.numel() + 4 * slice_ + metadata),
                         (bwd, chunk.numel() + 2 * slice_)):
         names = [name for name, _ in mode.ops]

@@ -127,3 +127,18 @@ def test_simulated(channels: int, groups: int, length: int, dtype: torch.dtype) 
 def test_channels_not_divisible() -> None:
     with simulated_mesh(2) as mesh, pytest.raises(HaloError, match="num_groups=4"):
         group_norm(rank_map(mesh, lambda r: torch.ones(1, 6, 2)), 4, None, None, 1e-5, mesh)
+
+
+def test_double_backward_refused() -> None:
+    """`_GroupNormFn`'s backward treats the statistics as constants: a graph built through it
+    (create_graph) would give silently wrong second-order gradients, so it raises instead
+    (on every rank alike: each rank runs the same backward)."""
+    with simulated_mesh(2) as mesh:
+        x = rank_map(mesh, lambda r: torch.randn(
+            1, 4, 3, 2, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+        ).requires_grad_()
+        y = group_norm(x, 2, None, None, 1e-5, mesh)
+        with pytest.raises(HaloError, match="differentiable once"):
+            torch.autograd.grad((y * y).sum(), x, create_graph=True)
+        (gx,) = torch.autograd.grad((y * y).sum(), x)  # first order is unchanged
+        assert gx.shape == x.shape

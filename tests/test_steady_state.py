@@ -110,9 +110,10 @@ def test_no_metadata_collective_after_the_first_call(gloo: Callable[[int], Any])
         first, *later = got["counts"]
         # first call: each of the 3 halo layers agrees once (one int gather); layer 0
         # (overlap=None) is a float64 conv3d, which torch convolves on its slow path: it
-        # exchanges first, tap by tap, with no trial (test_trial_leaves_no_gradient times)
+        # exchanges first, tap by tap, with no trial (test_trial_leaves_no_gradient times);
+        # it gathers the per-rank settings that choice reads once (test_agreement.py)
         assert got["trials"] == {}, got["trials"]
-        assert first[0] == {"all_gather_single": 3, "all_to_all_single": 3}, first
+        assert first[0] == {"all_gather_single": 4, "all_to_all_single": 3}, first
         for forward, backward in later:  # then exactly the halo moves, forward and backward
             assert forward == {"all_to_all_single": 3}, forward
             assert backward == {"all_to_all_single": 3}, backward
@@ -123,7 +124,7 @@ def test_no_metadata_collective_after_the_first_call(gloo: Callable[[int], Any])
         assert list(got["chosen"][0].values()) == [False, False], got["chosen"]
         assert got["chosen"][3] == {}, got["chosen"]
     other, bad = (r["raised"] for r in results)
-    assert "agreed at this layer's first call in ['length']" in bad, bad
+    assert "at this call site's last agreement in ['length']" in bad, bad
     assert "rank(s) [1] of the group passed this halo layer a tensor that differs" in other
 
 
@@ -249,7 +250,7 @@ def test_attention_no_metadata_collective_after_the_first_call(
         assert max(got["errors"]) <= 1e-12, got
         assert got["seconds"] < 5.0, got
     other, bad = (r["raised"] for r in results)
-    assert "differ from those agreed at this attention block's first call" in bad, bad
+    assert "differ from those agreed at this attention block's last agreement" in bad, bad
     assert "rank(s) [1] of the group passed this attention block" in other, other
 
 
@@ -282,8 +283,9 @@ def test_trial_leaves_no_gradient(gloo: Callable[[int], Any]) -> None:
         # and a backward move each
         assert _TRIAL_ROUNDS <= got["trials"] <= _TRIAL_MAX_ROUNDS, got["trials"]
         trials = 2 * 2 * (1 + got["trials"])
-        # the exchange's agreement, the trial's two gathers, the trial's moves and the call's
-        assert got["forward"] == {"all_gather_single": 3, "all_to_all_single": 1 + trials}, got
+        # the exchange's agreement, the choice's settings, the trial's two gathers, the
+        # trial's moves and the call's
+        assert got["forward"] == {"all_gather_single": 4, "all_to_all_single": 1 + trials}, got
         assert got["chosen"] == 1 and got["grads"] == [None] * 3, got
         assert got["error"] <= 1e-12, got
 

@@ -9,7 +9,6 @@ of dK and dV, so gradients are exact too.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -52,8 +51,10 @@ def _problem(tensors: tuple[torch.Tensor, ...], dim: int, global_length: object,
             return problem
         if not -t.ndim <= dim < t.ndim or t.ndim > _MAX_DIMS:
             return f"dim {dim} is out of range for a {t.ndim}-D tensor (at most {_MAX_DIMS})"
-    if not isinstance(frame, int) or isinstance(frame, bool) or frame < 1:
-        return f"frame must be a positive int, got {frame!r}"
+    # 0: a rank without a row of a second sharded dim (H) gathers frames of no tokens
+    # along T, with the ranks of its T group, which hold no row either
+    if not isinstance(frame, int) or isinstance(frame, bool) or frame < 0:
+        return f"frame must be a non-negative int, got {frame!r}"
     return _length_problem(global_length) or (
         "global_length= is required" if global_length is None else None)
 
@@ -217,10 +218,11 @@ def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *
     """`gather_along` for several tensors of one split (e.g. K and V): one metadata row and
     one all-gather for all of them.
 
-    `reuse`: a call site's store and the call's global signature (the same on every rank,
-    from DTensor metadata): agreed with the metadata row once, later calls check this rank
-    locally and carry a mistake as a status row inside the all-gather (no metadata
-    collective in steady state; `HaloError` on every rank still).
+    `reuse`: a call site's store and the call's signature: agreed with the metadata row
+    once per site, later calls compare this rank's row and signature with the agreed ones
+    locally and carry a mistake or a change as a status row inside the all-gather (no
+    metadata collective in steady state): `HaloError` on every rank when some ranks
+    differ, a fresh agreement when every rank changed alike.
 
     Example::
         >>> k = v = rank_map(mesh, lambda r: torch.randn(1, 8, (4, 4, 4, 1)[r], 4, 4))
@@ -237,43 +239,59 @@ def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *
         return _gather(tensors, dim % tensors[0].ndim, grp, global_length, frame)
     d = dim % tensors[0].ndim  # `_problem` found it in range, or raises below
     store, signature = reuse
-    key = (signature, dim, global_length, frame, id(grp.pg))
+    # One agreement per site (the same key on every rank); the signature, which may differ
+    # between ranks, is compared locally (see `haloshard._exchange.Reuse`).
+    key, signature = (id(grp.pg), len(tensors)), (signature, dim, global_length, frame)
     row = None if problem else _meta_row(tensors, dim, global_length, frame, False).tolist()
+    if key in store and not _reuse_agreed(grp, store[key], row, signature, problem):
+        del store[key]  # every rank's signature changed: agree afresh, all alike
     if key not in store:  # agree (a mistake raises on every rank), then cache if one buffer
         _agree(tensors, names, dim, grp, global_length, frame, problem)
         fronts = _fronts(tensors, d)[0]
         if not _one_buffer(fronts):
             return _gather(tensors, d, grp, global_length, frame)
         buffer = (*fronts[0].shape[1:-1], sum(f.shape[-1] for f in fronts))
-        if len(store) >= _REUSE_SIZE:  # every rank stores (and evicts) alike
-            del store[next(iter(store))]
-        store[key] = (row, buffer, tensors[0].dtype, tensors[0].device)
-    else:
-        agreed, buffer, dtype, device = store[key]
-        if problem is None and row != agreed:
-            problem = (f"this rank's tensors differ from those agreed at this attention "
-                       f"block's first call: got the metadata row {row}, agreed {agreed}")
-        if problem is not None:
-            _placeholder_gather(grp, global_length, frame, buffer, dtype, device)
-            raise HaloError(problem)
+        store[key] = (row, buffer, tensors[0].dtype, tensors[0].device, signature)
     return _gather(tensors, d, grp, global_length, frame, status=0)
 
 
-# A call site's agreements (by global signature) and this call's signature.
+def _reuse_agreed(grp: _comm.Group, agreed: tuple[Any, ...], row: list[int] | None,
+                  signature: Any, problem: str | None) -> bool:
+    """Whether this rank's row and signature are the agreed ones (checked locally). If not,
+    this rank joins the all-gather its peers are starting with placeholder rows and its
+    status raised (1: a mistake, 2: a change): False when every rank changed (agree
+    afresh), else `HaloError` here, and in the gather on the ranks that kept them."""
+    agreed_row, buffer, dtype, device, agreed_signature = agreed
+    if problem is None and row == agreed_row and signature == agreed_signature:
+        return True
+    _, _, global_length, frame = agreed_signature
+    statuses = _placeholder_gather(grp, global_length, frame, buffer, dtype, device,
+                                   1 if problem else _CHANGED)
+    if problem is None and set(statuses) == {_CHANGED}:
+        return False
+    kept = [r for r, f in enumerate(statuses) if f == 0]
+    raise HaloError(problem or f"this rank's tensors or arguments differ from those agreed "
+                    f"at this attention block's last agreement: got the metadata row {row} "
+                    f"and signature {signature}, agreed {agreed_row} and {agreed_signature}; "
+                    f"rank(s) {kept} of the group kept the agreed ones")
+
+
+# A call site's agreements (one per site and group) and this call's signature.
 Reuse = tuple[dict[Any, Any], Any]
-_REUSE_SIZE = 64
+_CHANGED = 2  # the status of a rank whose signature changed since the agreement
 
 
 def _placeholder_gather(grp: _comm.Group, global_length: int, frame: int,
-                        buffer: tuple[int, ...], dtype: torch.dtype, device: torch.device
-                        ) -> None:
-    """Join the all-gather the peers are starting with zero rows and status 1."""
+                        buffer: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                        status: int) -> list[int]:
+    """Join the all-gather the peers are starting with zero rows and `status`; every
+    rank's status."""
     chunk = max(shard_sizes(global_length, grp.size)) * frame
     placeholder = torch.zeros((chunk + 1, *buffer), dtype=dtype, device=device)
-    placeholder[-1] = 1
-    with contextlib.suppress(HaloError):  # this rank's own error is the one to raise
-        _without_status(_comm.all_gather(placeholder, grp, "all-gather along the dim"),
-                        grp.size)
+    placeholder[-1] = status
+    every = _comm.all_gather(placeholder, grp, "all-gather along the dim")
+    blocks = every.unflatten(0, (grp.size, -1))
+    return [int(v) for v in blocks[:, -1].reshape(grp.size, -1)[:, 0].tolist()]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike, *,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +35,7 @@ from haloshard._compat import (
     all_to_all_single,
     assert_async,
     enabled_local_tensor_mode,
+    maybe_run_for_local_tensor,
     reduce_scatter_single,
     wait_tensor,
 )
@@ -88,15 +90,32 @@ def set_timeout(group: GroupLike, timeout: float | timedelta) -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
         haloshard.set_timeout(mesh, 60)  # seconds
     """
-    delta = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
-    if delta <= timedelta(0):
-        raise HaloError(f"timeout must be positive, got {timeout!r}")
+    delta = _timeout_delta(timeout)
     if isinstance(group, DeviceMesh):
         groups = [group.get_group(axis) for axis in range(group.ndim)]
     else:
         groups = [resolve_group(group).pg]
     for pg in groups:
         pg.set_timeout(delta)
+
+
+# Longer than any run, and well inside what the backends hold (gloo rejects timedelta.max,
+# which overflows its int64 count).
+_MAX_TIMEOUT = timedelta(days=10**6)
+
+
+def _timeout_delta(timeout: object) -> timedelta:
+    """`timeout` (seconds or a timedelta) as a timedelta in `(0, _MAX_TIMEOUT]`."""
+    delta = None
+    if isinstance(timeout, timedelta):
+        delta = timeout
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        with contextlib.suppress(OverflowError, ValueError):  # inf, nan, beyond timedelta
+            delta = timedelta(seconds=timeout)
+    if delta is None or not timedelta(0) < delta <= _MAX_TIMEOUT:
+        raise HaloError(f"timeout must be a positive, finite number of seconds (at most "
+                        f"{_MAX_TIMEOUT.total_seconds():.0f}) or a timedelta, got {timeout!r}")
+    return delta
 
 
 @dataclass(frozen=True)
@@ -221,10 +240,26 @@ class _Flags:
         check_flags(flags, "this halo layer a tensor that differs from the one")
         return data
 
+    def statuses(self, flat: torch.Tensor) -> list[int]:
+        """Every peer's status element, as ints (a host sync)."""
+        per_row = math.prod(self.row)
+        ends = accumulate(n * per_row + 1 for n in self.recv_splits)
+        return [int(flat[end - 1].item()) for end in ends]
+
+
+def statuses(moved: Pending) -> list[int]:
+    """Wait for a flagged all-to-all and return every rank's status, raising nothing: for a
+    rank that sent placeholder rows and decides from its peers' statuses what to raise."""
+    for work in moved.works:
+        waited(moved.what, work.wait)
+    assert moved.flags is not None
+    return moved.flags.statuses(moved.tensor)
+
 
 def check_flags(flags: torch.Tensor, what: str) -> None:
     """`HaloError` when a peer raised its status flag (one element per rank): it found a
-    mistake in `what` every rank agreed on at the call site's first call. On an accelerator
+    mistake or a change in `what` every rank agreed on at the call site's last agreement.
+    On an accelerator
     the check is deferred to the device (a failure is a device assert, no host sync)."""
     if flags.device.type != "cpu":
         assert_async(flags.eq(0).all(), "a peer raised HaloError for this layer")
@@ -232,8 +267,7 @@ def check_flags(flags: torch.Tensor, what: str) -> None:
     raised = [rank for rank, f in enumerate(flags.tolist()) if f]
     if raised:
         raise HaloError(f"rank(s) {raised} of the group passed {what} every rank agreed on "
-                        "at its first call with this global shape (see the error on those "
-                        "ranks)")
+                        "at its last agreement (see the error on those ranks)")
 
 
 def start_flagged_all_to_all(
@@ -288,20 +322,49 @@ def _contiguous(buf: Rows) -> torch.Tensor:
     return out
 
 
+# Every metadata row travels at least this wide, after a tag naming its exchange: two ranks
+# in different exchanges (a layer's agreement on one, `reduce_grads` or a packed conv's on
+# the other) then send rows of one size and raise `HaloError`, instead of a gloo abort on
+# mismatched sizes. Longer rows (one int per parameter) keep their size.
+_ROW_WIDTH = 32
+_TAGS: dict[int, str] = {}  # tag -> exchange name, for the message
+
+
 def gather_ints(values: torch.Tensor, group: Group, what: str = "halo metadata exchange"
                 ) -> list[list[int]]:
-    """All-gather one small int64 vector per rank; every rank gets every rank's row."""
+    """All-gather one small int64 vector per rank; every rank gets every rank's row.
+
+    Raises:
+        HaloError: on every rank, when the ranks are in different exchanges (`what`).
+    """
+    tag = zlib.crc32(what.encode())
+    _TAGS[tag] = what
+    n = values.numel()
+    width = max(_ROW_WIDTH, n + 2)
+    row = values.new_full((width,), -1)
+    row[0], row[1] = tag, n
+    row[2 : 2 + n] = values.reshape(-1)
 
     def run() -> list[int]:
-        if is_eager(values):
-            out = values.new_empty(group.size * values.numel())
-            dist.all_gather_single(out, values, group=group.pg)
+        if is_eager(row):
+            out = row.new_empty(group.size * width)
+            dist.all_gather_single(out, row, group=group.pg)
             return out.tolist()
-        return all_gather_single(values, 0, group.funcol_group).tolist()
+        return all_gather_single(row, 0, group.funcol_group).tolist()
 
     flat = waited(what, run)
-    n = len(flat) // group.size
-    return [flat[i * n : (i + 1) * n] for i in range(group.size)]
+    rows = [flat[i * width : (i + 1) * width] for i in range(group.size)]
+    _check_tags([r[0] for r in rows])
+    return [r[2 : 2 + n] for r in rows]
+
+
+@maybe_run_for_local_tensor
+def _check_tags(tags: list[int]) -> None:
+    if len(set(tags)) > 1:
+        names = [_TAGS.get(t, f"an exchange this rank has not run (tag {t})") for t in tags]
+        raise HaloError(f"ranks are in different collectives: {names} (rank by rank); every "
+                        "rank must run the same layers in the same order (did one rank skip "
+                        "or add a call, or run a layer in another mode?)")
 
 
 def start_all_to_all(
@@ -409,7 +472,25 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph: the reduce-scatter is differentiated too
+            return _ReduceScatter.apply(grad, ctx.group, ctx.what), None, None
         return reduce_scatter(grad, ctx.group, f"backward of the {ctx.what}"), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """`_AllGather`'s backward as a Function of its own, for gradients of gradients.
+    Forward: `(P * n, ...) -> (n, ...)`, the sum over ranks of this rank's block.
+    Backward: `(n, ...) -> (P * n, ...)`, the all-gather again (its adjoint)."""
+
+    @staticmethod
+    def forward(ctx: Any, grad: torch.Tensor, group: Group, what: str  # type: ignore[override]
+                ) -> torch.Tensor:
+        ctx.group, ctx.what = group, what
+        return reduce_scatter(grad, group, f"backward of the {what}")
+
+    @staticmethod
+    def backward(ctx: Any, gg: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return _AllGather.apply(gg, ctx.group, ctx.what), None, None
 
 
 def all_gather_autograd(buf: torch.Tensor, group: Group, what: str = "all-gather"

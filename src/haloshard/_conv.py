@@ -22,8 +22,8 @@ rounding may differ in the last bits).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -36,12 +36,14 @@ from haloshard._errors import HaloError
 from haloshard._exchange import (
     HaloMove,
     Reuse,
+    apply_move,
     empty_like_layout,
     memory_format,
     prepare_halo,
 )
 from haloshard._layout import with_spare_slice
 from haloshard._specs import halo_supplies_padding
+from haloshard._tracing import planner_cache, surfaces_errors
 
 _conv = torch.ops.aten.convolution.default
 _conv_backward = torch.ops.aten.convolution_backward.default
@@ -104,7 +106,7 @@ class _ConvArgs:
                               False, zeros, self.groups, list(mask))
 
 
-@lru_cache(maxsize=256)
+@planner_cache(256)
 def halo_taps(left: int, right: int, dilation: int, kernel: int
               ) -> tuple[tuple[int, int, int], ...]:
     """Which halo slice each boundary output reads, tap by tap, for a chunk at least
@@ -157,6 +159,8 @@ class _CorrectedConv(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, weight, halo = ctx.saved_tensors
         args, move, mask = ctx.args, ctx.move, tuple(ctx.needs_input_grad[:3])
+        if torch.is_grad_enabled():
+            return _graph_backward(grad, x, weight, move, args, mask)
         corrections = ctx.corrections
         # The chunk conv's backward is exactly the floor's. The halo gradients (small convs
         # on the output gradient's edges) travel back to their owners beside it when their
@@ -347,12 +351,42 @@ class _HaloConv(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, weight, *windows = ctx.saved_tensors
         args: _ConvArgs = ctx.args
+        if torch.is_grad_enabled():
+            return _graph_backward(grad, x, weight, ctx.move, args,
+                                   tuple(ctx.needs_input_grad[:3]))
         if args.path == SPLIT:
             g_x, g_w = _split_backward(grad, x, weight, windows, ctx.move, args)
         else:
             g_x, g_w = _whole_backward(grad, x, weight, windows, ctx.move, args, ctx.taps)
         g_b = grad.sum([d for d in range(grad.ndim) if d != 1]) if ctx.has_bias else None
         return g_x, g_w, g_b, None, None
+
+
+def _graph_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    move: HaloMove, args: _ConvArgs, mask: tuple[bool, ...]
+                    ) -> tuple[torch.Tensor | None, ...]:
+    """The backward under `create_graph=True`, as a graph that can be differentiated again.
+
+    The hand-written backwards move halo gradients outside autograd, so their gradients
+    would miss every term that crosses a rank. Here autograd differentiates the conv of the
+    exchanged chunk (what every formulation computes), whose exchange is differentiable to
+    any order. It repeats the forward's exchange: create_graph is the same on every rank.
+    """
+    length = x.shape[args.dim]
+    inputs = [t for t, need in zip((x, weight), mask[:2], strict=True) if need]
+    with torch.enable_grad():
+        buf = apply_move(x, move)
+        if args.spare:  # an empty chunk: one zero slice more, its output dropped
+            shape = list(buf.shape)
+            shape[args.dim] = torch.sym_max(0, 1 - length)
+            buf = torch.cat([buf, buf.new_zeros(shape)], args.dim)
+            y = args.conv(buf, weight, None).narrow(args.dim, 0, length)
+        else:  # the halo is the conv's reach: exactly `length` outputs
+            y = args.conv(buf, weight, None)
+        found = iter(torch.autograd.grad(y, inputs, grad, create_graph=True))
+    g_x, g_w = (next(found) if need else None for need in mask[:2])
+    g_b = grad.sum([d for d in range(grad.ndim) if d != 1]) if mask[2] else None
+    return g_x, g_w, g_b, None, None
 
 
 def _gap(args: _ConvArgs) -> int:
@@ -615,12 +649,14 @@ def _conv_problem(
     return None, args
 
 
+@surfaces_errors
 def halo_conv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, dim: int,
     left: int, right: int, group: GroupLike, stride: int | tuple[int, ...] = 1,
     padding: int | tuple[int, ...] = 0, dilation: int | tuple[int, ...] = 1, groups: int = 1,
     pad: str = "zeros", transport: str | None = None, global_length: int | None = None,
     overlap: bool = True, _reuse: Reuse | None = None, _path: str | None = None,
+    _choose: Callable[[], bool] | None = None,
 ) -> torch.Tensor:
     """`F.conv1d/2d/3d` on a `Shard(dim)` chunk, padded along `dim` by the halo.
 
@@ -642,6 +678,8 @@ def halo_conv(
             exchanging first, for all ranks alike. False always exchanges first.
         _path: force a formulation (`CORRECTED`, `SPLIT` or `WHOLE`; for measurements);
             one that does not fit the chunks falls back as above.
+        _choose: decides `overlap` once the exchange has agreed (haloshard's layers: the
+            choice must be looked up alike on every rank).
 
     Returns:
         This rank's `Shard(dim)` chunk of the global convolution's output.
@@ -657,6 +695,8 @@ def halo_conv(
     move, lengths = prepare_halo(x, left, right, dim, group, pad=pad, transport=transport,
                                  global_length=global_length, problem=problem, reuse=_reuse)
     assert args is not None  # a problem raised on every rank in prepare_halo
+    if _choose is not None and move is not None:  # agreed: every rank chooses alike
+        overlap = _choose()
     n = weight.ndim - 2
     path = _formulation(overlap, _path, min(lengths), left, right)
     spare = min(lengths) == 0

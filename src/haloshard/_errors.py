@@ -18,9 +18,11 @@ def named(error: HaloError, module: str) -> HaloError:
         >>> str(named(HaloError("got 3 slices, expected 4"), "encoder.conv_in (Conv3d)"))
         'encoder.conv_in (Conv3d): got 3 slices, expected 4'
     """
-    inner = getattr(error, "module", None)
-    said = inner is not None or module in str(error)  # e.g. a timeout naming its layer
-    renamed = HaloError(str(error) if said else f"{module}: {error}")
+    inner, text = getattr(error, "module", None), str(error)
+    said = inner is not None or module in text  # e.g. a timeout naming its layer
+    # `text`, not `error`, in the f-string: dynamo formats a traced exception only lazily,
+    # and a lazy message cannot be raised at trace time (`_tracing.surfaces_errors`)
+    renamed = HaloError(text if said else f"{module}: {text}")
     renamed.module = inner if inner is not None else module  # type: ignore[attr-defined]
     return renamed
 

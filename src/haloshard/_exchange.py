@@ -11,12 +11,9 @@ from, on its owner.
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 import zlib
 from collections.abc import Hashable
 from dataclasses import dataclass, fields
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -29,6 +26,7 @@ from haloshard._errors import HaloError, raise_rejected
 from haloshard._layout import LENIENT_PADS, PAD_MODES, check_pad_fits, shard_sizes
 from haloshard._plan import HaloFill, Held, Runs, as_runs, exchange_plan, halo_fill
 from haloshard._simulated import per_rank
+from haloshard._tracing import planner_cache, surfaces_errors
 
 TRANSPORTS: tuple[str, ...] = ("all_to_all", "p2p", "allgather")
 _DTYPES = (
@@ -37,8 +35,11 @@ _DTYPES = (
 )
 _MAX_DIMS = 8
 # One row of ints per rank; "length" is the only field allowed to differ between ranks.
+# "global_length" (-1: not given) rides along so that a rank whose stated length differs
+# from the others' raises with them, not alone while they wait in the exchange.
 _FIELDS = ("error", "ndim", "dim", "left", "right", "pad", "transport", "dtype",
-           "requires_grad", "length", *(f"size of dim {i}" for i in range(_MAX_DIMS)))
+           "requires_grad", "grad_enabled", "length", "global_length",
+           *(f"size of dim {i}" for i in range(_MAX_DIMS)))
 _ERR, _LEN = _FIELDS.index("error"), _FIELDS.index("length")
 # Halo widths and lengths must fit the int64 metadata row (and any index tensor).
 _MAX_INT = 2**62
@@ -100,7 +101,8 @@ def _as_int(value: object) -> int:
 
 
 def _row_values(
-    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str, error: bool
+    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str, error: bool,
+    global_length: int | None,
 ) -> list[int]:
     """This rank's metadata row, one int per `_FIELDS` entry."""
     d = _as_int(dim) % max(x.ndim, 1) if not error else _as_int(dim)
@@ -108,15 +110,18 @@ def _row_values(
     pads = PAD_MODES + LENIENT_PADS
     return [int(error), x.ndim, d, _as_int(left), _as_int(right), _code(pad, pads),
             _code(transport, TRANSPORTS), _dtype_code(x.dtype), int(x.requires_grad),
-            x.shape[d] if not error else -1, *sizes, *[-1] * (_MAX_DIMS - len(sizes))]
+            int(torch.is_grad_enabled()), x.shape[d] if not error else -1,
+            _as_int(global_length), *sizes,
+            *[-1] * (_MAX_DIMS - len(sizes))]
 
 
 @maybe_run_for_local_tensor
 def _meta_row(
-    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str, error: bool
+    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str, error: bool,
+    global_length: int | None,
 ) -> torch.Tensor:
     """`_row_values` as an int64 tensor on `x`'s device, to travel in the agreement."""
-    row = _row_values(x, left, right, dim, pad, transport, error)
+    row = _row_values(x, left, right, dim, pad, transport, error, global_length)
     # A meta tensor's row must still travel (it is flagged as an error).
     device = torch.device("cpu") if x.device.type == "meta" else x.device
     return torch.tensor(row, dtype=torch.int64, device=device)
@@ -141,10 +146,16 @@ def _check_rows(rows: list[list[int]], own_problem: str | None) -> None:
             )
 
 
-# What a call site (a halo layer) agreed on at earlier calls: its own row, every chunk length,
-# and the dtype and row shape to send placeholders in, by the call's global signature.
-Reuse = tuple[dict[Any, Any], Hashable]
-_REUSE_SIZE = 16
+# A call site's store, where it keeps what every rank agreed on at its last agreement (its
+# own row, every chunk length, the dtype and row shape to send placeholders in, the call's
+# signature), and the site's key, the same on every rank (a layer, an exchange in it),
+# then the call's signature (global shape, dtype, grad mode...): one agreement per site,
+# looked up by the site alone. A key with the signature in it would split the ranks
+# whose signatures differ into a collective each (an abort); compared locally, a
+# difference rides as a status in the move instead: raised on every rank when some ranks
+# differ, agreed afresh when all changed alike.
+Reuse = tuple[dict[Any, Any], Hashable, Hashable]
+_CHANGED = 2  # the status of a rank whose signature changed since the agreement
 
 
 def _agree(
@@ -156,10 +167,11 @@ def _agree(
     whether the move must carry status flags (an agreement was reused).
 
     `problem`: a mistake the caller found in its own arguments on this rank; it is
-    reported on every rank like one of the exchange's own. `reuse`: the call site's store
-    and the call's global signature (the same on every rank, from DTensor metadata): a
-    signature agreed before is checked locally, with no collective, and a mistake on this
-    rank rides as a flag in the halo move instead, which raises on every rank.
+    reported on every rank like one of the exchange's own. `reuse`: the call site's store,
+    key and the call's signature (see `Reuse`): a site agreed before checks this rank's
+    row and signature locally, with no collective; a mistake or a change on this rank
+    rides as a status in the halo move instead, which raises on every rank, or (every
+    rank changed alike) makes every rank agree afresh.
     """
     problem = (problem or _tensor_problem(x)
                or _local_problem(x, left, right, dim, pad, transport)
@@ -173,15 +185,20 @@ def _agree(
         _check_own_length(x.shape[dim], lengths, group.rank, dim)
         check_pad_fits(sum(lengths), left, right, pad)
         return dim % x.ndim, lengths, False
-    key = None
+    key = signature = None
     if (reuse is not None and transport == "all_to_all" and global_length is not None
             and enabled_local_tensor_mode() is None):
-        key = (reuse[1], left, right, pad, dim, global_length, id(group.pg))
+        key, signature = (reuse[1], id(group.pg)), (reuse[2], left, right, pad, dim,
+                                                     global_length)
         if key in reuse[0]:
-            return (*_reuse_agreed(x, left, right, dim, pad, transport, group,
-                                   reuse[0][key], problem), True)
+            agreed = _reuse_agreed(x, left, right, dim, pad, transport, group,
+                                   global_length, reuse[0][key], signature, problem)
+            if agreed is not None:
+                return (*agreed, True)
+            del reuse[0][key]  # every rank's signature changed: agree afresh, all alike
     if isinstance(x, torch.Tensor):
-        row = _meta_row(x, left, right, dim, pad, transport, problem is not None)
+        row = _meta_row(x, left, right, dim, pad, transport, problem is not None,
+                        global_length)
     else:  # nothing to describe: a row that says only "error"
         row = torch.tensor([1] + [-1] * (len(_FIELDS) - 1), dtype=torch.int64)
     rows = _comm.gather_ints(row, group)
@@ -189,41 +206,81 @@ def _agree(
     lengths = tuple(row[_LEN] for row in rows)
     _check_lengths(lengths, global_length, dim)
     check_pad_fits(sum(lengths), left, right, pad)
-    if key is not None:  # every rank agreed: every rank stores it (and evicts alike)
-        store = reuse[0]  # type: ignore[index]
-        if len(store) >= _REUSE_SIZE:
-            del store[next(iter(store))]
+    if key is not None:  # every rank agreed: every rank stores it
         d = dim % x.ndim
-        store[key] = (rows[group.rank], lengths, x.dtype,
-                      tuple(n for i, n in enumerate(x.shape) if i != d), x.device)
+        reuse[0][key] = (rows[group.rank], lengths, x.dtype,  # type: ignore[index]
+                         tuple(n for i, n in enumerate(x.shape) if i != d), x.device,
+                         signature)
     return dim % x.ndim, lengths, False
 
 
 def _reuse_agreed(
     x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str,
-    group: Group, agreed: tuple[Any, ...], problem: str | None,
-) -> tuple[int, tuple[int, ...]]:
-    """A signature agreed before: check this rank's row against its agreed one, locally.
+    group: Group, global_length: int, agreed: tuple[Any, ...], signature: Hashable,
+    problem: str | None,
+) -> tuple[int, tuple[int, ...]] | None:
+    """A site agreed before: check this rank's row and signature against the agreed ones,
+    locally. None: every rank's signature changed (agree afresh).
 
-    On a mistake, this rank still joins the halo move its peers are starting, with
-    placeholder rows and its flag raised (so every rank raises), then raises itself.
+    On a mistake or a change, this rank still joins the halo move its peers are starting,
+    with placeholder rows and its status raised (1: a mistake, `_CHANGED`: a new
+    signature), so every rank learns of it in the move that runs anyway: the peers that
+    kept the agreed signature raise, and so does this rank, unless every rank changed.
     """
-    row, lengths, dtype, slice_shape, device = agreed
+    row, lengths, dtype, slice_shape, device, agreed_signature = agreed
+    changed = None
     if problem is None:
-        own = _row_values(x, left, right, dim, pad, transport, False)  # no device sync
+        own = _row_values(x, left, right, dim, pad, transport, False,  # no device sync
+                          global_length)
         wrong = [f for f, a, b in zip(_FIELDS, own, row, strict=True) if a != b]
-        if wrong:
-            problem = (f"this rank's tensor differs from the one agreed at this layer's first "
-                       f"call in {wrong}: got {shown_row(own)}, agreed {shown_row(row)}")
-    if problem is None:
+        if wrong or signature != agreed_signature:
+            changed = (f"this rank's tensor or arguments differ from those every rank agreed "
+                       f"on at this call site's last agreement in {wrong or ['signature']}: "
+                       f"got {shown_row(own)}, agreed {shown_row(row)}")
+    if problem is None and changed is None:
         return dim % x.ndim, lengths
+    if not (left or right):  # no move to ride in, nor any collective to desynchronise
+        if problem is not None:
+            raise HaloError(problem)
+        lengths = shard_sizes(global_length, group.size)
+        _check_own_length(x.shape[dim], lengths, group.rank, dim)
+        return dim % x.ndim, lengths
+    recv, send, _ = _split_plan(group.rank, lengths, left, right, pad, group.size)
+    placeholder = torch.zeros((sum(send), *slice_shape), dtype=dtype, device=device)
+    moved = _comm.start_flagged_all_to_all(placeholder, recv, send, group,
+                                           flag=_CHANGED if problem is None else 1)
+    statuses = _comm.statuses(moved)
+    if problem is None and set(statuses) == {_CHANGED}:
+        return None
+    kept = [r for r, f in enumerate(statuses) if f == 0]
+    raise HaloError(problem or f"{changed}; rank(s) {kept} of the group kept the agreed "
+                    "ones: every rank must pass the same arguments and a tensor that differs "
+                    "only in the length of the sharded dim")
+
+
+def leave_agreement(store: dict[Any, Any], group: Group, what: str) -> None:
+    """Before a call site runs without its halo move this call (`what`, e.g. per document
+    under `packed`): join the move of its last agreement on `group` with placeholder rows
+    and status `_CHANGED`, so peers that run the move raise `HaloError` with this rank
+    instead of waiting in a collective it never starts. When every rank leaves alike, the
+    agreements are dropped (the next call with a halo agrees afresh)."""
+    keys = [k for k in store if k[1] == id(group.pg)]
+    if not keys:
+        return
+    row, lengths, dtype, slice_shape, device, _ = store[keys[-1]]
+    left, right = row[_FIELDS.index("left")], row[_FIELDS.index("right")]
+    pad = (PAD_MODES + LENIENT_PADS)[row[_FIELDS.index("pad")]]
     if left or right:
         recv, send, _ = _split_plan(group.rank, lengths, left, right, pad, group.size)
         placeholder = torch.zeros((sum(send), *slice_shape), dtype=dtype, device=device)
-        moved = _comm.start_flagged_all_to_all(placeholder, recv, send, group, flag=1)
-        with contextlib.suppress(HaloError):  # this rank's own error is the one to raise
-            moved.wait()
-    raise HaloError(problem)
+        statuses = _comm.statuses(_comm.start_flagged_all_to_all(
+            placeholder, recv, send, group, flag=_CHANGED))
+        if set(statuses) != {_CHANGED}:
+            kept = [r for r, f in enumerate(statuses) if f != _CHANGED]
+            raise HaloError(f"this rank runs this halo layer {what}, but rank(s) {kept} of "
+                            "the group run its halo move: every rank must enter it alike")
+    for key in keys:
+        del store[key]
 
 
 def shown_row(row: list[int]) -> dict[str, Any]:
@@ -266,7 +323,7 @@ def _index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-@lru_cache(maxsize=1024)
+@planner_cache(1024)
 def _plan_tensors(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device,
     held: Held = (0, 0),
@@ -277,7 +334,7 @@ def _plan_tensors(
     return send, own, gather, pick
 
 
-@lru_cache(maxsize=1024)
+@planner_cache(1024)
 def _fill_tensors(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device,
     gap: int | None, held: Held = (0, 0),
@@ -307,7 +364,7 @@ class _Runs:
 _MAX_RUNS = 16  # beyond: one index op per step costs less than a copy per run
 
 
-@lru_cache(maxsize=1024)
+@planner_cache(1024)
 def _plan_runs(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, gap: int | None,
     held: Held = (0, 0),
@@ -609,7 +666,32 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph: the adjoint is differentiated in turn
+            return _HaloAdjoint.apply(grad, ctx.move, ctx.length), None
         return ctx.move.adjoint(grad, ctx.length), None
+
+
+class _HaloAdjoint(torch.autograd.Function):
+    """`_HaloExchange`'s backward as a Function of its own, for gradients of gradients.
+    Forward adds halo gradients into the owners' edges: `(left + T_r + right) -> (T_r)`.
+    Backward copies neighbours' edge slices into the halo: `(T_r) -> (left + T_r + right)`
+    (the adjoint of a linear map's adjoint is the map: the exchange again, differentiable).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, grad: torch.Tensor, move: HaloMove, length: Any  # type: ignore[override]
+                ) -> torch.Tensor:
+        ctx.move = move
+        return move.adjoint(grad, length)
+
+    @staticmethod
+    def backward(ctx: Any, gg: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return apply_move(gg, ctx.move), None, None
+
+
+def apply_move(x: torch.Tensor, move: HaloMove) -> torch.Tensor:
+    """`x` extended by its halos along the prepared `move`, differentiably to any order."""
+    return _HaloExchange.apply(x, move)
 
 
 def prepare_halo(
@@ -644,13 +726,14 @@ def _route(x: torch.Tensor, left: int, right: int, dim: int, group: Group,
                   flagged, held)
 
 
+@surfaces_errors
 def halo_exchange(
     x: torch.Tensor,
-    *positional: Any,
-    left: int | None = None,
-    right: int | None = None,
-    dim: int | None = None,
-    group: GroupLike | None = None,
+    *,
+    left: int,
+    right: int,
+    dim: int,
+    group: GroupLike,
     pad: str = "zeros",
     transport: str | None = None,
     global_length: int | None = None,
@@ -667,8 +750,6 @@ def halo_exchange(
     Args:
         x: this rank's chunk; the ranks' chunks are `Shard(dim)`'s split of the global tensor
             (uneven and empty chunks included).
-        left, right, dim, group: keyword-only; the positional form of 0.1 still works for
-            one release, with a `DeprecationWarning`.
         left: slices to prepend; may exceed a neighbour's chunk (taken from several ranks).
         right: slices to append.
         dim: the sharded dimension.
@@ -685,7 +766,9 @@ def halo_exchange(
             them on every rank (a metadata all-gather), later calls with the same ones check
             this rank's chunk locally and carry a mistake as a flag inside the halo
             all-to-all, so a steady-state call issues no metadata collective and a mistake
-            still raises on every rank. `HaloParallel` layers keep one each.
+            still raises on every rank. Arguments that change on every rank alike are
+            agreed afresh (one placeholder move and one metadata all-gather); changed on
+            some ranks only, they raise on every rank. `HaloParallel` layers keep one each.
 
     Returns:
         The chunk with its halos, in `x`'s dtype and layout order.
@@ -701,36 +784,15 @@ def halo_exchange(
         >>> {rank: t.shape[2] for rank, t in per_rank(y).items()}  # 2 + T_r + 1
         {0: 5, 1: 5, 2: 4, 3: 3}
     """
-    left, right, dim, group = _keywords(positional, left, right, dim, group)
     if agreements is not None and (global_length is None or not isinstance(agreements, dict)):
         raise HaloError(f"agreements= needs a dict and global_length= (the signature every "
                         f"rank shares), got agreements of type {type(agreements).__name__}, "
                         f"global_length={global_length!r}")
     # The lenient pad modes are the hooks' own (`exchange`), not part of the public API.
     problem = None if pad in PAD_MODES else f"pad must be one of {PAD_MODES}, got {pad!r}"
-    reuse = None if agreements is None else (agreements, "halo_exchange")
+    reuse = None if agreements is None else (agreements, "halo_exchange", ())
     return exchange(x, left, right, dim, group, pad=pad, transport=transport,
                     global_length=global_length, problem=problem, reuse=reuse)
-
-
-def _keywords(positional: tuple[Any, ...], *named: Any) -> tuple[Any, ...]:
-    """`halo_exchange(x, left, right, dim, group)`, the positional form of 0.1: still taken
-    for one release, with a `DeprecationWarning`."""
-    names = ("left", "right", "dim", "group")
-    if len(positional) > len(names):
-        raise TypeError(f"halo_exchange takes at most {len(names) + 1} positional arguments, "
-                        f"got {len(positional) + 1}")
-    values = [*positional, *named[len(positional):]]
-    for i, (name, value, given) in enumerate(zip(names, values, named, strict=True)):
-        if given is not None and i < len(positional):
-            raise TypeError(f"halo_exchange got {name} both by position and by keyword")
-        if value is None:
-            raise TypeError(f"halo_exchange() missing the keyword argument {name!r}")
-    if positional:
-        warnings.warn("halo_exchange(x, left, right, dim, group) is deprecated: pass "
-                      "halo_exchange(x, left=..., right=..., dim=..., group=...)",
-                      DeprecationWarning, stacklevel=3)
-    return tuple(values)
 
 
 def exchange(

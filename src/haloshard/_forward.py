@@ -39,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from haloshard import _comm, _guard
 from haloshard._errors import HaloError, named
+from haloshard._tracing import surfaces_errors
 
 _HANDLE = "_haloshard_handle"
 
@@ -112,6 +113,7 @@ class ShardedForward:
             return self.previous(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
 
+    @surfaces_errors
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if INSIDE.get():
             # The enclosing halo module already supplied this module's halo.

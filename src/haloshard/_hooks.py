@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -41,7 +41,7 @@ from haloshard._compat import (
 )
 from haloshard._conv import halo_conv, slow_window, taps_layout
 from haloshard._errors import HaloError
-from haloshard._exchange import Reuse, exchange
+from haloshard._exchange import Reuse, _dtype_code, exchange, leave_agreement, shown
 from haloshard._forward import (
     _HANDLE,
     HaloHandle,
@@ -246,19 +246,21 @@ class _HaloForward(ShardedForward):
         self.per_slice: tuple[int, ...] = ()
 
     def fresh(self) -> None:
-        # Agreements of earlier calls, by global signature: a layer validates its arguments
-        # on every rank once per input signature, later calls issue no metadata collective.
+        # The last agreement of each exchange (see `Reuse`): a layer validates its arguments
+        # on every rank when its signature changes, later calls issue no metadata collective.
         self.agreed: dict[Any, Any] = {}
         self.chosen: dict[Any, bool] = {}  # overlap or not, by global input signature
         self.trials: dict[Any, int] = {}  # rounds each formulation was timed, by signature
         self.windows_agreed: set[Any] = set()  # signatures whose stencil windows were agreed
 
     def reuse(self, site: _Site) -> Reuse:
-        """This layer's store and the call's global signature: the same on every rank
-        (DTensor metadata, or the lengths every rank gathered for a plain chunk)."""
+        """This layer's store, its key and the call's signature (global shape, dtype, grad
+        mode...), which the exchange compares with the agreed one on each rank (a
+        signature may differ between ranks: DTensor metadata is per rank)."""
         x = site.local
-        return self.agreed, (site.shape, x.dtype, x.requires_grad, torch.is_grad_enabled(),
-                             site.placements, id(site.mesh), site.axis)
+        return self.agreed, "layer", (site.shape, x.dtype, x.requires_grad,
+                                      torch.is_grad_enabled(), site.placements,
+                                      id(site.mesh), site.axis)
 
     @property
     def plain(self) -> bool:
@@ -288,9 +290,11 @@ class _HaloForward(ShardedForward):
                                                                site):
             # torch's own conv, as `halo_conv`: overlapped, or exchanging first in a
             # function whose backward never holds the window and its gradient at once
-            overlapped = self.overlap is not False and self.overlaps(site, plan, reuse)
+            # chosen once the exchange has agreed (every rank then holds one signature)
+            choose = None if self.overlap is not None else (
+                lambda: self.overlaps(site, plan, reuse))
             y = _overlapped_conv(self.module, site, plan, annotation, reuse,
-                                 whole=not overlapped)
+                                 whole=self.overlap is False, choose=choose)
         else:
             y = self.exchange_first(site, plan, reuse, *args, **kwargs)
             self.check_windows(y, site, plan, reuse)
@@ -325,23 +329,30 @@ class _HaloForward(ShardedForward):
         corners a 3x3x3 kernel reads from its diagonal neighbour); the module runs once on
         the window with its padding removed along each dim; each dim keeps this rank's
         outputs. Along the other dims the stencil is `across`'s; a dim the layer treats
-        slice by slice takes no halo. Agreed once per input signature, as one dim is."""
+        slice by slice takes no halo. Agreed as one dim is; a rank that raises along one axis
+        still joins the later axes' exchanges, flagged (`_fail_later_axes`)."""
         if active_boundaries() is not None:
             raise HaloError("packed documents (haloshard.packed) need an input sharded on "
                             f"one dim, got one sharded on dims "
                             f"{[site.dim, *(d for _, d in site.others)]}")
         across = {d: self.across(d, site.local.ndim) for _, d in site.others}
         reuse, uniform = self.reuse(site), enabled_local_tensor_mode() is not None
-        x, plans = site.local, []
+        x, plans, stencils = site.local, [], []
         for axis, d in ((site.axis, site.dim), *site.others):
             found = across.get(d)
             stencil = self.annotation.stencil if d == site.dim else found and found[0]
             if stencil is None:  # slice by slice along d: the local chunk is its window
                 continue
             plan = plan_windows(stencil, site.shape[d], site.mesh.size(axis), uniform=uniform)
-            x = _window(replace(site, local=x, axis=axis, dim=d), plan,
-                        Annotation(None, d, stencil), reuse)
             plans.append((axis, d, plan))
+            stencils.append(stencil)
+        for i, ((axis, d, plan), stencil) in enumerate(zip(plans, stencils, strict=True)):
+            try:
+                x = _window(replace(site, local=x, axis=axis, dim=d), plan,
+                            Annotation(None, d, stencil), reuse)
+            except HaloError:
+                _fail_later_axes(site, plans[i + 1 :], stencils[i + 1 :], reuse)
+                raise
         y = self.run_across(x, across, *args, **kwargs)
         if isinstance(y, torch.Tensor) and self.annotation.spec is not None:
             sizes = tuple(n + z for n, z in zip(plans[0][2].win_len, plans[0][2].win_zeros,
@@ -422,7 +433,9 @@ class _HaloForward(ShardedForward):
         conv). Exchange-first, whose backward holds a copy of the chunk, must be
         `_EXCHANGE_FIRST_MARGIN` faster. Elsewhere (GPUs, where the halo travels beside
         the conv; compiled, simulated, deterministic) it overlaps. Every rank takes the
-        same choice (from the global shape, or two small gathers, once)."""
+        same choice: it is called once the exchange has agreed on the signature (so every
+        rank looks the choice up alike), and the settings each rank reads for it (memory
+        format, deterministic mode) ride in one small gather at the first call."""
         if self.overlap is not None:
             return self.overlap
         x = site.local
@@ -432,7 +445,13 @@ class _HaloForward(ShardedForward):
                      and not torch.are_deterministic_algorithms_enabled())
             # where torch would run the conv3d on its slow path, exchanging first runs it as
             # conv2ds, far faster than the chunk's own slow conv: no trial needed
-            self.chosen[key] = not _taps_everywhere(self.module, site, plan) and (
+            taps = _taps_everywhere(self.module, site, plan)
+            if _comm.is_eager(x):  # per-rank settings: agreed (one rank's would desync)
+                rows = _comm.gather_ints(torch.tensor([int(timed), int(taps)]),
+                                         _comm.resolve_group((site.mesh, site.axis)),
+                                         what="choice of formulation")
+                timed, taps = all(r[0] for r in rows), all(r[1] for r in rows)
+            self.chosen[key] = not taps and (
                 not timed or self.faster_overlapped(site, plan, reuse, key))
         return self.chosen[key]
 
@@ -479,6 +498,20 @@ class _HaloForward(ShardedForward):
         self.trials[key] = rounds
         mine = torch.tensor([min(times[False]), min(times[True])])
         return _overlap_kept(_comm.gather_ints(mine, group, what="choice of formulation"))
+
+
+def _fail_later_axes(site: _Site, plans: list[tuple[int, int, WindowPlan]],
+                     stencils: list[Stencil], reuse: Reuse) -> None:
+    """This rank raised in an exchange along one mesh axis: join the exchanges along the
+    later axes with its error flagged (the agreed move with placeholder rows, or the
+    metadata gather), so the peers of those axes, which never saw the first one, raise at
+    once instead of waiting for it."""
+    for (axis, d, plan), stencil in zip(plans, stencils, strict=True):
+        with suppress(HaloError):
+            exchange(site.local, plan.left, plan.right, d, (site.mesh, axis),
+                     pad=_exchange_pad(stencil, plan), global_length=plan.length,
+                     reuse=reuse, problem="a peer on another mesh axis raised HaloError in "
+                     "its halo exchange for this layer (see the error on that rank)")
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -539,7 +572,8 @@ def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan, s
 
 def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
                      annotation: Annotation, reuse: Reuse, *, whole: bool = False,
-                     params: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+                     params: list[torch.Tensor | None] | None = None,
+                     choose: Callable[[], bool] | None = None) -> torch.Tensor:
     """The conv as `halo_conv`: the chunk's own conv runs while the halo travels (`whole`:
     the conv of the exchanged window, `overlap=False`), with the module's weight and bias
     or `params` in their place.
@@ -554,13 +588,14 @@ def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
         padding = (0,) * len(padding)
         # Its own agreement: the padded chunk's sizes differ from the unpadded chunk's,
         # and it needs no gradient when padded under no_grad.
-        reuse = (reuse[0], (reuse[1], "padded", x.requires_grad))
+        reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], x.requires_grad))
     weight, bias = (module.weight, module.bias) if params is None else params
     return halo_conv(x, weight, bias, dim=annotation.dim,
                      left=plan.left, right=plan.right, group=(site.mesh, site.axis),
                      stride=module.stride, padding=padding, dilation=module.dilation,
                      groups=module.groups, pad=annotation.stencil.pad,
-                     global_length=plan.length, overlap=not whole, _reuse=reuse)
+                     global_length=plan.length, overlap=not whole, _reuse=reuse,
+                     _choose=choose)
 
 
 @contextmanager
@@ -615,15 +650,18 @@ def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None, *, several: bool =
     spare = 0 if outer is None else outer.spare
     if has_spare(spare):  # a chunk of an enclosing block: its spare slices are not ours
         x = x.narrow(dim, 0, x.shape[dim] - spare)
-    # Plain chunks agree on their lengths; a bad input on one rank rides in the same row,
-    # so every rank raises instead of the others waiting.
-    row = (maybe_run_for_local_tensor(lambda t: torch.tensor([t.shape[dim], 0]))(x) if fits
-           else torch.tensor([0, 1]))
-    rows = _comm.gather_ints(row, _comm.resolve_group((mesh, 0)))
-    bad = [r for r, (_, flag) in enumerate(rows) if flag]
+    # Plain chunks agree on their lengths, and on the rest of their signature in the same
+    # row (a dtype or batch changed on one rank raises on every rank now, not in a later
+    # collective); a bad input on one rank rides in it too, so every rank raises instead
+    # of the others waiting.
+    row = (_input_row(x, dim) if fits
+           else torch.tensor([0, 1] + [-1] * (len(_INPUT_FIELDS) - 2)))
+    rows = _comm.gather_ints(row, _comm.resolve_group((mesh, 0)), "halo input exchange")
+    bad = [r for r, got in enumerate(rows) if got[1]]
     if bad:
         raise HaloError(problem if not fits else f"rank(s) {bad} of the group passed this "
                         f"halo module an input without dim {dim}; expected a tensor with it")
+    _check_inputs(rows)
     shape = tuple(sum(r[0] for r in rows) if i == dim else int(s)
                   for i, s in enumerate(x.shape))
     return _Site(x, mesh, 0, None, shape, dim, spare=spare)
@@ -642,6 +680,29 @@ def with_spare(y: Any, site: _Site) -> Any:
     if isinstance(y, tuple) and y and isinstance(y[0], torch.Tensor):
         return (with_spare_slice(y[0], site.dim), *y[1:])
     return with_spare_slice(y, site.dim)
+
+
+_INPUT_FIELDS = ("length", "error", "ndim", "dtype", "requires_grad", "grad_enabled",
+                 *(f"size of dim {i}" for i in range(8)))
+
+
+@maybe_run_for_local_tensor
+def _input_row(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """A plain chunk's row: its length along `dim`, then what every rank must share."""
+    d = dim % t.ndim
+    sizes = [-1 if i == d else int(n) for i, n in enumerate(t.shape[:8])]
+    return torch.tensor([t.shape[d], 0, t.ndim, _dtype_code(t.dtype), int(t.requires_grad),
+                         int(torch.is_grad_enabled()), *sizes, *[-1] * (8 - len(sizes))])
+
+
+@maybe_run_for_local_tensor
+def _check_inputs(rows: list[list[int]]) -> None:
+    for i, field in enumerate(_INPUT_FIELDS[2:], start=2):
+        values = [r[i] for r in rows]
+        if len(set(values)) > 1:
+            raise HaloError(f"ranks disagree on {field}: {shown(field, values)} (rank by "
+                            "rank); every rank must pass this halo module a plain chunk "
+                            "that differs only in the length of the sharded dim")
 
 
 def _dtensor_site(x: DTensor, dim: int, *, several: bool = False) -> _Site:
@@ -971,6 +1032,9 @@ def _packed_conv(forward: _HaloForward, site: _Site) -> Any:
     halo layer would mix documents: it raises."""
     module, dim = forward.module, forward.annotation.dim
     spec = forward.annotation.spec
+    # peers outside `packed` would run the halo move agreed before: join it
+    leave_agreement(forward.agreed, _comm.resolve_group((site.mesh, site.axis)),
+                    "per document (haloshard.packed)")
     if spec is not None and not isinstance(module, DERIVABLE):
         return rewrap(_packed_wrapper(forward, site, spec), site, dim, site.length)
     # known_forward() sees the halo forward now attached: ask about the class instead.

@@ -28,6 +28,7 @@ handle that `halo_handles(model)` returns, like a halo.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -321,7 +322,9 @@ class _GroupNormForward(_LocalForward):
         # `_GroupNormFn` checks C against the groups on every rank, inside its gather.
         y = group_norm(x, gn.num_groups, gn.weight, gn.bias, gn.eps,
                        (site.mesh, site.axis), segments=_segments.at(site.length),
-                       dim=self.dim, other_groups=[(site.mesh, axis) for axis, _ in site.others])
+                       dim=self.dim, other_groups=[(site.mesh, axis) for axis, _ in site.others],
+                       # a DTensor's global length: every rank's chunk is checked
+                       global_length=None if site.placements is None else site.length)
         return with_spare(y, site)
 
     def site(self, x: torch.Tensor) -> _Site:
@@ -1231,8 +1234,47 @@ class _ReplicatedArgsForward(_LocalForward):
             raise HaloError(f"ReplicatedArgsParallel takes tensors as replicated, so its "
                             f"input must be Shard({self.dim}) on one mesh axis and "
                             f"Replicate on the others, got {tuple(x.placements)}")
+        _agree_per_sample(x, self.dim, args, kwargs, self.name or type(self.module).__name__)
         with _Replicating(self.dim):
             return self.original(x, *args, **kwargs)
+
+
+def _agree_per_sample(x: DTensor, dim: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      name: str) -> None:
+    """`HaloError` on every rank unless the plain tensors passed beside `x` (timestep
+    tables) are the same on every rank of its `Shard(dim)` axis: each rank takes them as
+    replicated, so a table that differs between ranks would be silently wrong. Their
+    checksums ride in one small all-gather per call (no collective runs anyway here).
+    Simulated and compiled ranks run one program with one table: no gather."""
+    if not _comm.is_eager(x.to_local()):
+        return
+    plain = [t for t in tree_flatten((args, kwargs))[0] if _plain(t)]
+    digest = [0, 0, 0]
+    if plain:  # one fixed-size row whatever the count (a gather of rows of one size)
+        sums = torch.stack([_checksum(t).cpu() for t in plain])
+        order = torch.arange(1, len(plain) + 1, dtype=torch.int64).unsqueeze(1)
+        digest = (sums * order).sum(0).tolist()
+    row = torch.tensor([len(plain), *digest])
+    axis = list(x.placements).index(Shard(dim))
+    rows = _comm.gather_ints(row, _comm.resolve_group((x.device_mesh, axis)),
+                             "per-sample tensors exchange")
+    if len({tuple(r) for r in rows}) > 1:
+        raise HaloError(f"{name}: ranks disagree on the plain tensors passed beside the "
+                        f"sharded input (ReplicatedArgsParallel takes them as replicated): "
+                        f"counts {[r[0] for r in rows]} rank by rank, or their values, "
+                        "shapes or dtypes differ; expected the same per-sample tensors on "
+                        "every rank")
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """Two position-weighted sums of `t`'s bytes, with its shape and dtype (int64)."""
+    raw = t.detach().contiguous().view(-1)
+    raw = (raw.to(torch.uint8) if raw.dtype == torch.bool else raw).view(torch.uint8)
+    weights = torch.arange(1, raw.numel() + 1, device=raw.device, dtype=torch.int64)
+    values = raw.to(torch.int64)
+    meta = zlib.crc32(f"{tuple(t.shape)}:{t.dtype}".encode())
+    return torch.stack([(values * weights).sum(), (values * weights * weights).sum(),
+                        values.new_tensor(meta)])
 
 
 class ReplicatedArgsParallel(LocalParallel):
@@ -1244,11 +1286,14 @@ class ReplicatedArgsParallel(LocalParallel):
     them with DTensors, as torch's `implicit_replication` does, but differentiably in
     haloshard's convention: their gradients (and the parameters' they come from) are this
     rank's partial sums, summed over the cp ranks by `reduce_grads`, DDP or FSDP. The
-    container's children keep their own plan entries.
+    container's children keep their own plan entries. Every call checks that the plain
+    tensors passed to the container are the same on every rank (one all-gather of a
+    4-int checksum row): taken as replicated, a table that differs would be silently wrong.
 
     Raises:
         HaloError: at run time for a DTensor input sharded or partial on another mesh axis
-            (a replicated per-sample tensor would not match a batch shard).
+            (a replicated per-sample tensor would not match a batch shard); on every rank
+            at once when the plain tensors passed beside the input differ between ranks.
 
     Example::
         >>> class Block(nn.Module):  # scales each sample's frames by its own temb value

@@ -13,7 +13,9 @@ so a mismatch on one rank raises `HaloError` on every rank. The backward is writ
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from haloshard._comm import GroupLike
 from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError, raise_rejected
 from haloshard._exchange import _dtype_code, _tensor_problem, shown
+from haloshard._layout import shard_sizes
 from haloshard._segments import Segments, local_segments
 
 # The statistics all-gather has a fixed-size first block: a metadata row, then as many
@@ -31,7 +34,26 @@ from haloshard._segments import Segments, local_segments
 # with more than fits (3 * B * G > _BLOCK - len(_META)) sends the rest in a second gather,
 # once every rank has agreed on B and G.
 _META = ("error", "ndim", "batch", "channels", "num_groups", "dtype", "eps", "weight",
-         "bias", "requires_grad", "segments")
+         "bias", "requires_grad", "segments", "global_length", "length")
+_LENGTH = _META.index("length")  # the only field that may differ between ranks
+
+
+@dataclass(frozen=True)
+class _Along:
+    """What every rank must share about the sharded dim, where it is known: its global
+    length (-1: unknown) and a code of the segment lengths (frame batches; 0: none)."""
+
+    dim: int
+    global_length: int
+    segments: int
+
+
+def _along(dim: int, global_length: int | None, segments: Sequence[int] | None) -> _Along:
+    if segments is not None:
+        lengths = tuple(int(n) for n in segments)
+        code = zlib.crc32(repr(lengths).encode()) + 1
+        return _Along(dim, sum(lengths) if global_length is None else global_length, code)
+    return _Along(dim, -1 if global_length is None else global_length, 0)
 _BLOCK = 1024
 
 
@@ -57,11 +79,14 @@ def _norm_problem(x: object, groups: object, weight: object, bias: object) -> st
 
 
 def _meta_row(x: Any, groups: Any, eps: Any, weight: Any, bias: Any, error: bool,
-              segments: int) -> list[float]:
+              along: _Along) -> list[float]:
     if error:
         return [1.0] + [-1.0] * (len(_META) - 1)
+    # a per-rank (simulated) or traced length cannot travel: those ranks run one program
+    length = x.shape[along.dim] if _comm.is_eager(x) and along.global_length >= 0 else -1
     return [0.0, x.ndim, x.shape[0], x.shape[1], groups, _dtype_code(x.dtype), float(eps),
-            weight is not None, bias is not None, x.requires_grad, segments]
+            weight is not None, bias is not None, x.requires_grad, along.segments,
+            along.global_length, length]
 
 
 @maybe_run_for_local_tensor
@@ -70,21 +95,41 @@ def _check_meta(rows: list[list[float]], own: str | None) -> None:
     raise_rejected(own, [row[0] for row in rows], "group_norm")
     for i, field in enumerate(_META):
         values = [row[i] for row in rows]
-        if len(set(values)) > 1:
+        if i != _LENGTH and len(set(values)) > 1:
             ints = [int(v) if field != "eps" else v for v in values]
+            if field == "segments":  # codes: what they stand for is in the message
+                field = "segments (a code of the segment / frame_batches lengths)"
             raise HaloError(f"group_norm: ranks disagree on {field}: {shown(field, ints)} "
                             "(rank by rank); "
                             "every rank must pass the same num_groups, eps, affine "
                             "parameters and tensors that differ only in the sharded dim")
+    _check_lengths([int(row[_LENGTH]) for row in rows], int(rows[0][_META.index(
+        "global_length")]))
+
+
+def _check_lengths(lengths: list[int], global_length: int) -> None:
+    """Every rank's chunk against the `Shard` split of the global length, where known: a
+    chunk of another length would be normalised as part of another tensor."""
+    if global_length < 0 or -1 in lengths:
+        return
+    expected = list(shard_sizes(global_length, len(lengths)))
+    if lengths != expected:
+        raise HaloError(f"group_norm: chunk lengths {lengths} (rank by rank) along the sharded "
+                        f"dim do not match its global length {global_length}, which splits "
+                        f"as {expected}")
 
 
 def _gather_stats(x: torch.Tensor, groups: int, eps: float, weight: Any, bias: Any,
-                  problem: str | None, grp: _comm.Group, seg: Segments | None = None
-                  ) -> torch.Tensor:
+                  problem: str | None, grp: _comm.Group, seg: Segments | None,
+                  along: _Along) -> torch.Tensor:
     """Every rank's `(3, B, G)` statistics, `(P, 3, B, G)`, after every rank has agreed on
     the arguments (in the same all-gather: see `_BLOCK`)."""
-    meta = torch.tensor(_meta_row(x, groups, eps, weight, bias, problem is not None,
-                                  1 if seg is None else seg.count),
+    if problem is None and seg is not None and _comm.is_eager(x) and (
+            seg.ids.shape[0] != x.shape[along.dim]):
+        problem = (f"group_norm: this rank's chunk has {x.shape[along.dim]} slices along dim "
+                   f"{along.dim}, but its Shard split of the segments' {along.global_length} "
+                   f"has {seg.ids.shape[0]}")
+    meta = torch.tensor(_meta_row(x, groups, eps, weight, bias, problem is not None, along),
                         dtype=torch.float64, device=_device(x))
     if problem is None:
         local = _local_stats(x, groups, seg)
@@ -228,10 +273,10 @@ class _GroupNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,  # type: ignore[override]
                 bias: torch.Tensor | None, groups: int, eps: float, grp: _comm.Group,
-                seg: Segments | None = None, more: tuple[_comm.Group, ...] = ()
+                seg: Segments | None, more: tuple[_comm.Group, ...], along: _Along
                 ) -> torch.Tensor:
         stats = _gather_stats(x, groups, eps, weight, bias,
-                              _norm_problem(x, groups, weight, bias), grp, seg)
+                              _norm_problem(x, groups, weight, bias), grp, seg, along)
         for other in more:  # another mesh axis shards a second dim: combine over it too
             stats = _comm.all_gather(_combined(stats).unsqueeze(0), other,
                                      "group_norm statistics all-gather")
@@ -251,6 +296,11 @@ class _GroupNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():
+            # create_graph: this backward is written out with the statistics as constants,
+            # so its own gradient would miss their dependence on x (silently wrong).
+            raise HaloError("group_norm is differentiable once: a backward with "
+                            "create_graph=True (double backward) through it is not supported")
         x, weight, mean, rstd, count = ctx.saved_tensors
         seg = ctx.seg
         work = torch.promote_types(x.dtype, torch.float32)
@@ -272,7 +322,7 @@ class _GroupNormFn(torch.autograd.Function):
             dw = (dy * xh).sum((0, *within)).to(weight.dtype)
         if ctx.needs_input_grad[2]:
             db = dy.sum((0, *within)).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def group_norm(
@@ -286,6 +336,7 @@ def group_norm(
     segments: Sequence[int] | None = None,
     dim: int = 2,
     other_groups: Sequence[GroupLike] = (),
+    global_length: int | None = None,
 ) -> torch.Tensor:
     """`F.group_norm` of the global tensor, on this rank's shard of any non-channel dim.
 
@@ -305,11 +356,14 @@ def group_norm(
         dim: the sharded dim, for `segments`.
         other_groups: the ranks sharding other dims of x (T and H on two mesh axes, as a
             `(mesh, mesh_axis)` each): the statistics combine over them too.
+        global_length: the global length of `dim`, None if unknown (then the sum of
+            `segments`, where given): every rank's chunk is checked against its `Shard`
+            split, on every rank at once.
 
     Raises:
         HaloError: on every rank, when C is not divisible by num_groups or the ranks
             disagree on C, B, num_groups, eps, the affine parameters, the dtype or the
-            number of segments.
+            segments, the global length, or when a chunk does not fit it.
 
     Example::
         >>> gn = nn.GroupNorm(4, 8)
@@ -320,9 +374,11 @@ def group_norm(
     """
     grp = _comm.resolve_group(group)
     seg = None
+    if (segments is not None or global_length is not None) and not 2 <= dim < x.ndim:
+        raise HaloError(f"group_norm with segments or global_length needs 2 <= dim < "
+                        f"{x.ndim}, got {dim}")
     if segments is not None:
-        if not 2 <= dim < x.ndim:
-            raise HaloError(f"group_norm with segments needs 2 <= dim < {x.ndim}, got {dim}")
         seg = local_segments(segments, grp.rank, grp.size, dim, _device(x))
     more = tuple(_comm.resolve_group(g) for g in other_groups)
-    return _GroupNormFn.apply(x, weight, bias, num_groups, eps, grp, seg, more)
+    along = _along(dim, global_length, segments)
+    return _GroupNormFn.apply(x, weight, bias, num_groups, eps, grp, seg, more, along)

@@ -15,11 +15,11 @@ hold yet (in its chunk or its held halos) cross the wire.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import accumulate
 from typing import Generic, TypeVar
 
 from haloshard._layout import padded_source
+from haloshard._tracing import planner_cache
 
 # Positions as ints (the plan) or as index tensors (`_exchange` builds them per device).
 _Index = TypeVar("_Index")
@@ -74,7 +74,7 @@ class HaloFill(Generic[_Index]):
     dup_own_src: _Index
 
 
-@lru_cache(maxsize=4096)
+@planner_cache(4096)
 def halo_fill(plan: ExchangePlan, gap: int) -> HaloFill[tuple[int, ...]]:
     """Where `plan`'s halos go in a buffer of `left + gap + right` slices: the exchanged chunk
     when `gap` is the chunk length, or two thin windows around the chunk's edges."""
@@ -102,7 +102,7 @@ def halo_fill(plan: ExchangePlan, gap: int) -> HaloFill[tuple[int, ...]]:
     )
 
 
-@lru_cache(maxsize=4096)
+@planner_cache(4096)
 def as_runs(dst: tuple[int, ...], src: tuple[int, ...]) -> Runs:
     """`dst[i] <- src[i]` grouped into runs of positions consecutive in both (a run is one
     strided copy of a block of slices, where an index op would take each slice apart).
@@ -141,7 +141,7 @@ def _wanted(
     return lefts, rights
 
 
-@lru_cache(maxsize=4096)
+@planner_cache(4096)
 def _held_positions(rank: int, lengths: tuple[int, ...], pad: str, held: Held) -> dict[int, int]:
     """Global slice -> local index in `rank`'s held layout, for every slice it holds.
 
@@ -179,7 +179,7 @@ def _remote_needs(
     return [sorted(n) for n in needs]
 
 
-@lru_cache(maxsize=4096)
+@planner_cache(4096)
 def exchange_plan(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, held: Held = (0, 0)
 ) -> ExchangePlan:

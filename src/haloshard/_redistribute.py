@@ -23,7 +23,6 @@ wire once. Hence `HaloShard -> Shard(d)` backward only pads the gradient with ze
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
 from itertools import accumulate
 from typing import Any
 
@@ -35,6 +34,7 @@ from haloshard._compat import local_tensor, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
 from haloshard._exchange import halo_exchange, widen
 from haloshard._layout import HaloShard, check_pad_fits, shard_sizes
+from haloshard._tracing import planner_cache, surfaces_errors
 
 # torch's own method, captured before `_dtensor_ops` routes HaloShard requests through us.
 torch_redistribute = DTensor.redistribute
@@ -197,6 +197,7 @@ def check_placements(shape: Sequence[int], placements: Sequence[Placement]) -> N
         check_pad_fits(shape[p.dim], p.left, p.right, p.pad)
 
 
+@surfaces_errors
 def redistribute(dt: DTensor, placements: Sequence[Placement], *,
                  transport: str | None = None) -> DTensor:
     """`DTensor.redistribute` that also accepts `HaloShard` placements, differentiably.
@@ -277,7 +278,7 @@ def _add_halos(dt: DTensor, axis: int, dst: tuple[Placement, ...],
     return wrap(y, dt, [p if i == axis else q for i, q in enumerate(dt.placements)])
 
 
-@lru_cache(maxsize=1024)
+@planner_cache(1024)
 def _sources(rank: int, p: HaloShard, length: int, world: int) -> tuple[list[int], list[bool]]:
     sources = p.local_sources(length, world, rank)
     return [0 if g is None else g for g in sources], [g is not None for g in sources]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Protocol, cast
 
 from torch import nn
@@ -29,6 +28,7 @@ from haloshard._layout import (
     shard_size_and_offset,
     shard_sizes,
 )
+from haloshard._tracing import planner_cache
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -630,7 +630,7 @@ class WindowPlan:
     out_len: tuple[int, ...]
 
 
-@lru_cache(maxsize=4096)
+@planner_cache(4096)
 def plan_windows(stencil: Stencil, length: int, world: int, *, uniform: bool = False
                  ) -> WindowPlan:
     """Plan one layer: `Shard` split of the outputs, then the inputs each rank needs.

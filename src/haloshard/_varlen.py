@@ -18,7 +18,6 @@ import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError, raise_rejected
 from haloshard._exchange import halo_exchange
 from haloshard._layout import PAD_MODES, check_pad_fits, shard_sizes
+from haloshard._tracing import planner_cache
 
 _F_PAD = {"zeros": "constant", "replicate": "replicate", "reflect": "reflect",
           "circular": "circular"}
@@ -107,7 +107,7 @@ def _boundary_problem(cu: tuple[int, ...]) -> str | None:
     return None
 
 
-@lru_cache(maxsize=256)
+@planner_cache(256)
 def _document_problem(cu: tuple[int, ...], left: int, right: int, pad: str) -> str | None:
     """The first document its pad mode cannot pad by (left, right), as F.pad would refuse."""
     for d in range(len(cu) - 1):
@@ -150,7 +150,7 @@ class _Geometry:
         return sum(self.lengths[:rank])
 
 
-@lru_cache(maxsize=64)
+@planner_cache(64)
 def _edges(g: _Geometry) -> tuple[tuple[int, ...], ...]:
     """`circular` only: the global slices each rank contributes to the edge all-gather, the
     last `left` and first `right` slices of every document (rank by rank, ascending)."""
@@ -185,7 +185,7 @@ def _sources(g: _Geometry, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return start + rel, inside
 
 
-@lru_cache(maxsize=64)
+@planner_cache(64)
 def _tap_index(g: _Geometry, rank: int, device: torch.device
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per tap and output, the slice of the gather buffer `[window ++ edges ++ spare]` it
@@ -357,12 +357,15 @@ def _folded_weight(weight: torch.Tensor, dim: int) -> torch.Tensor:
 def _fold_taps(buf: torch.Tensor, index: torch.Tensor, mask: torch.Tensor | None,
                kernel: int, n: Any, dim: int) -> torch.Tensor:
     """`(B, C, ..., window, ...) -> (B, C * k, ..., T_r, ...)`: tap j of output t is the
-    slice `index[j, t]` of the buffer (times the mask for zeros padding)."""
+    slice `index[j, t]` of the buffer (zero where the mask says zeros padding)."""
     taps = buf.index_select(dim, index)
     shape = list(taps.shape)
     taps = taps.reshape([*shape[:dim], kernel, n, *shape[dim + 1 :]])
     if mask is not None:
-        taps = taps * mask.reshape([1] * dim + [kernel, n] + [1] * (buf.ndim - dim - 1))
+        # `where`, not a product: a masked tap reads some slice of its document, and
+        # 0 * inf (or nan) there would reach outputs one device keeps finite.
+        keep = mask.reshape([1] * dim + [kernel, n] + [1] * (buf.ndim - dim - 1))
+        taps = torch.where(keep, taps, 0)
     return taps.movedim(dim, 2).flatten(1, 2)
 
 

@@ -1,0 +1,697 @@
+"""`python -m benchmarks.vae`: the five diffusers video VAEs with T sharded over P ranks,
+against one device's public call and diffusers' own tiling.
+
+For each model (`--models`: HunyuanVideo, CogVideoX, LTX-Video 0.9.0, a 0.9.5-style LTX
+decoder, Mochi, Wan 2.1; `benchmarks.vae_models`) at its default constructor config (random
+weights; `--config tiny` for tests) and each mode (`--modes`):
+
+- `decode`: `vae.decode(z).sample` under `torch.no_grad`, eval;
+- `encode`: `vae.encode(x).latent_dist.mode()` under `torch.no_grad`, eval;
+- `train`: one training step: forward of encode + decode, backward of `sum(y * g)` for a
+  fixed random `g`, parameter gradients accumulated into preallocated buffers;
+
+on P = 1 (the public call itself, the reference) and P = 2, 4 (`--ranks`: the same calls
+after `parallelize_module(vae, mesh, plan)` on a `Shard(2)` DTensor, gloo on CPU; NCCL with
+`--device cuda`), after `--warmup` untimed runs, it reports per rank:
+
+- `params`: bytes of the parameters (train: and their gradients), held before the run;
+- `act`: the peak of the bytes the run allocates above what it started with (allocator
+  tracked, the same counter on every P: on CPU the allocations and frees torch's profiler
+  records, in time order; on CUDA `torch.cuda.max_memory_allocated`): activations and the
+  transient buffers of the ops;
+- `compute`: the rank's CPU time in its own thread (`time.thread_time`: waits on other ranks
+  and gloo's transport threads excluded; on CUDA: the synchronised wall time, an upper
+  bound) and `wall`: the run's wall time after a barrier;
+- `sent`: bytes the rank handed to c10d collectives, eager and functional (DTensor's own)
+  (all-to-all: rows to other ranks; all-gather: its input times P - 1; reduce-scatter:
+  (P - 1) / P of its input; all-reduce: 2 (P - 1) / P of its buffer, a ring's share; P2P:
+  the tensors it sends);
+- `diff` / `rel`: the largest absolute difference of the rank's shard to the one-device
+  result (train: output, input gradient and the parameter gradients summed over ranks),
+  and relative to the largest value of the same tensor;
+- `where` / `largest` (CPU): the op and module scopes around the allocation that reached
+  the peak, and the three largest buffers live then, with where each was allocated.
+
+Tables: the busiest rank of each P, the ratios `act * P / act(P=1)` and
+`compute * P / compute(P=1)` against the targets 1.15 and 1.10 (halo slices not
+subtracted). With `--approx`, on one device: `enable_tiling()` with two spatial tiles per
+axis (stride half the clip's side, tiles a quarter of a stride longer: smaller than the
+clip, so tiling happens), and temporal tiles of half the clip where the model has them
+(HunyuanVideo: its default; LTX), for decode and encode: time, peak, and the error against
+the exact result (max abs, PSNR over the exact result's range).
+
+    python -m benchmarks.vae --models hunyuan wan --modes decode train --ranks 1 2 4 \\
+        --latent-frames 16 --size 128 --approx --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import inspect
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+from benchmarks import steady_allocator, vae_models
+from haloshard import reduce_grads
+from haloshard.testing import GlooWorld, seeded_randn, shard, worker_mesh
+
+MODES = ("decode", "encode", "train")
+MiB = 2**20
+
+
+# ---------------------------------------------------------------- counters
+@contextlib.contextmanager
+def peak_bytes(device: str) -> Iterator[dict[str, Any]]:
+    """`out["peak"]`: the peak bytes allocated in the block above its start; on CPU also
+    `out["where"]`: the scopes open at that moment (see `module_scopes`), outermost first."""
+    out: dict[str, Any] = {"peak": 0, "where": "", "largest": []}
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        yield out
+        torch.cuda.synchronize()
+        out["peak"] = torch.cuda.max_memory_allocated() - start
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield out
+    out["peak"], out["where"], out["largest"] = _profiled_peak(prof)
+
+
+def _profiled_peak(prof: Any) -> tuple[int, str, list[str]]:
+    """The running sum of the allocations (positive) and frees (negative) the profiler
+    recorded, in time order: its maximum (benchmarks/matrix.py's counter), the scopes
+    around the allocation that reached it, and the three largest buffers live then (MiB,
+    where each was allocated)."""
+    from torch._C._profiler import _EventType
+
+    pending, events = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while pending:
+        node = pending.pop()
+        pending.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size, node))
+    events.sort(key=lambda e: e[0])
+    live = peak = top = 0
+    for i, (_, size, _) in enumerate(events):
+        live += size
+        if live > peak:
+            peak, top = live, i
+    held: dict[int, tuple[int, Any]] = {}
+    for _, size, node in events[: top + 1]:
+        if size > 0:
+            held[node.extra_fields.ptr] = (size, node)
+        else:
+            held.pop(node.extra_fields.ptr, None)
+    largest = sorted(held.values(), key=lambda e: -e[0])[:3]
+    return (peak, _scopes(events[top][2]) if events else "",
+            [f"{size / MiB:.1f} {_scopes(node)}" for size, node in largest])
+
+
+def _scopes(node: Any) -> str:
+    """The module scopes around a profiler event and the op it belongs to."""
+    names: list[str] = []
+    while node is not None and node.parent is not None:
+        node = node.parent
+        if (node.name.startswith(("module:", "autograd::engine::evaluate_function"))
+                or not names):
+            names.append(node.name.removeprefix("module:"))
+    return " < ".join(names)
+
+
+@contextlib.contextmanager
+def module_scopes(model: nn.Module) -> Iterator[None]:
+    """A profiler scope named `module:<fqn>` around each submodule's call (forward only;
+    the backward's peak shows the autograd node instead)."""
+    stack: list[Any] = []
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            scope = torch.autograd.profiler.record_function(f"module:{name}")
+            scope.__enter__()
+            stack.append(scope)
+        return hook
+
+    def leave(*_: Any) -> None:
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    handles = []
+    for name, module in model.named_modules():
+        if name:
+            handles += [module.register_forward_pre_hook(enter(name)),
+                        module.register_forward_hook(leave, always_call=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _ring(group: Any) -> int:
+    return dist.get_world_size(group)
+
+
+def _a2a(a: dict[str, Any]) -> int:
+    buf, group = a["input"], a.get("group")
+    n, me = _ring(group), dist.get_rank(group)
+    splits = a.get("input_split_sizes") or [buf.shape[0] // n] * n
+    row = buf[0].numel() * buf.element_size() if buf.shape[0] else 0
+    return row * sum(s for r, s in enumerate(splits) if r != me)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# name -> bytes this rank sends, from the call's bound arguments
+_SENT: dict[str, Callable[[dict[str, Any]], float]] = {
+    "all_to_all_single": _a2a,
+    "all_gather_single": lambda a: _nbytes(a["input_tensor"]) * (_ring(a.get("group")) - 1),
+    "all_gather_into_tensor": lambda a: (_nbytes(a["input_tensor"])
+                                         * (_ring(a.get("group")) - 1)),
+    "reduce_scatter_single": lambda a: (_nbytes(a["input"]) * (_ring(a.get("group")) - 1)
+                                        / _ring(a.get("group"))),
+    "all_reduce": lambda a: (2 * _nbytes(a["tensor"]) * (_ring(a.get("group")) - 1)
+                             / _ring(a.get("group"))),
+    "batch_isend_irecv": lambda a: sum(_nbytes(op.tensor) for op in a["p2p_op_list"]
+                                       if op.op is dist.isend),
+}
+
+
+def _funcol_ring(a: dict[str, Any]) -> int:
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed._functional_collectives import _resolve_group
+
+    return int(c10d._get_group_size_by_name(_resolve_group(a["group"])))
+
+
+# functional collectives (DTensor's own redistributions, haloshard under torch.compile):
+# name -> bytes this rank sends
+_FUNCOL_SENT: dict[str, Callable[[dict[str, Any]], float]] = {
+    **{name: lambda a: _nbytes(a["self"]) * (_funcol_ring(a) - 1)
+       for name in ("all_gather_single", "all_gather_tensor", "all_gather_single_autograd",
+                    "all_gather_tensor_autograd")},
+    **{name: lambda a: _nbytes(a["self"]) * (_funcol_ring(a) - 1) / _funcol_ring(a)
+       for name in ("reduce_scatter_single", "reduce_scatter_tensor",
+                    "reduce_scatter_tensor_autograd")},
+    "all_reduce": lambda a: 2 * _nbytes(a["self"]) * (_funcol_ring(a) - 1) / _funcol_ring(a),
+}
+
+
+@contextlib.contextmanager
+def bytes_sent() -> Iterator[dict[str, float]]:
+    """`out["bytes"]`: what this process hands to the eager c10d calls in `_SENT` (the only
+    ones haloshard's `_comm` issues outside torch.compile) and to the functional
+    collectives in `_FUNCOL_SENT` (DTensor's own). A call made inside another counted call
+    (one functional collective implemented by another) is not counted again."""
+    import torch.distributed._functional_collectives as funcol
+
+    out, depth = {"bytes": 0.0}, [0]
+    wrapped = [(dist, name, rule) for name, rule in _SENT.items() if hasattr(dist, name)]
+    wrapped += [(funcol, name, rule) for name, rule in _FUNCOL_SENT.items()
+                if hasattr(funcol, name)]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in wrapped]
+
+    def wrap(fn: Callable[..., Any], rule: Callable[[dict[str, Any]], float]
+             ) -> Callable[..., Any]:
+        signature = inspect.signature(fn)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                out["bytes"] += rule(signature.bind(*args, **kwargs).arguments)
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
+    for (module, name, rule), (_, _, fn) in zip(wrapped, saved, strict=True):
+        setattr(module, name, wrap(fn, rule))
+    try:
+        yield out
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+# ---------------------------------------------------------------- one rank
+_CACHE: dict[str, Any] = {}
+
+
+def _mesh(device: str) -> DeviceMesh:
+    world = dist.get_world_size()
+    if device != "cuda":
+        return worker_mesh(world)
+    if "mesh" not in _CACHE:
+        # NCCL for CUDA tensors beside gloo for CPU ones (haloshard's metadata rows)
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        _CACHE["mesh"] = DeviceMesh.from_group(
+            dist.new_group(backend="cpu:gloo,cuda:nccl"), "cuda")
+    return _CACHE["mesh"]
+
+
+def _model(name: str, config: str, device: str) -> nn.Module:
+    """The VAE, built once per world (parallelized when P > 1); the previous one freed."""
+    key = (name, config, device)
+    if _CACHE.get("key") != key:
+        _CACHE.pop("vae", None)
+        gc.collect()
+        mesh = _mesh(device) if dist.get_world_size() > 1 else None  # sets the GPU
+        vae = vae_models.build(name, config).to(device)
+        if mesh is not None:
+            parallelize_module(vae, mesh, vae_models.plan(vae))
+        _CACHE["key"], _CACHE["vae"] = key, vae
+    return _CACHE["vae"]
+
+
+def _sharded(full: torch.Tensor, device: str, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's input: the full tensor (P = 1) or a `Shard(2)` DTensor, and its leaf."""
+    world = dist.get_world_size()
+    local = shard(full, 2, world, dist.get_rank()).clone().requires_grad_(grad)
+    if world == 1:
+        return local, local
+    return DTensor.from_local(local, _mesh(device), [Shard(2)], shape=full.shape,
+                              stride=full.stride()), local
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's shard along T. A public call that ends in a slice along T (Mochi drops
+    its first frames) returns a `Replicate` DTensor (DTensor all-gathered it): the rank
+    keeps its `Shard(2)` chunk, as a user would, differentiably."""
+    if not isinstance(t, DTensor):
+        return t
+    if t.placements != (Shard(2),):
+        t = t.redistribute(t.device_mesh, [Shard(2)])
+    return t.to_local()
+
+
+class _Run:
+    """One (model, mode) on this rank: its inputs and the step `run()` measures."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job, self.name, self.mode = job, job["name"], job["mode"]
+        self.device = job["device"]
+        self.vae = _model(self.name, job["config"], self.device)
+        video, latent = vae_models.shapes(self.name, job["config"], job["frames"], job["size"])
+        if self.mode == "decode":
+            shape = (1, vae_models.latent_channels(self.vae), *latent)
+            self.full = seeded_randn(shape, 1, torch.float32).to(self.device)
+        else:
+            self.full = seeded_randn(video, 1, torch.float32).to(self.device)
+        self.x, self.leaf = _sharded(self.full, self.device, self.mode == "train")
+        self.upstream: torch.Tensor | None = None
+        if self.mode == "train":
+            for p in self.vae.parameters():
+                p.grad = torch.zeros_like(p)
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the latent, the output) as local tensors."""
+        one = dist.get_world_size() == 1
+        enc = vae_models.encode if one else vae_models.sharded_encode
+        dec = vae_models.decode if one else vae_models.sharded_decode
+        if self.mode == "decode":
+            return _local(self.x), _local(dec(self.name, self.vae, self.x))
+        if self.mode == "encode":
+            z = enc(self.name, self.vae, self.x)
+            return _local(z), _local(z)
+        z = vae_models.training_encode(self.name, self.vae, self.x)
+        return _local(z), _local(dec(self.name, self.vae, z))
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mode != "train":
+            with torch.no_grad():
+                return self.forward()
+        z, y = self.forward()
+        if self.upstream is None:
+            self.upstream = _upstream(y)
+        (y * self.upstream).sum().backward()
+        return z.detach(), y.detach()
+
+    def zero_grads(self) -> None:
+        if self.leaf.grad is not None:
+            self.leaf.grad = None
+        for p in self.vae.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def close(self) -> None:
+        for p in self.vae.parameters():
+            p.grad = None
+
+
+def _upstream(y: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a fixed random upstream gradient: global frame t drawn from
+    seed 1000 + t, so no rank builds the whole (with no warm-up run, each P then allocates
+    its own shard inside the measured run alike)."""
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(lengths, torch.tensor([y.shape[2]]))
+    start = int(sum(t.item() for t in lengths[: dist.get_rank()]))
+    frame = (*y.shape[:2], *y.shape[3:])
+    frames = [seeded_randn(frame, 1000 + start + t, y.dtype) for t in range(y.shape[2])]
+    return torch.stack(frames, 2).to(y.device) if frames else torch.zeros_like(y)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _measure(step: Callable[[], Any], device: str, model: nn.Module
+             ) -> tuple[Any, dict[str, Any]]:
+    """`step()` once: its result, peak bytes (and where), compute and wall seconds, bytes
+    sent."""
+    dist.barrier()
+    with module_scopes(model), peak_bytes(device) as peak, bytes_sent() as sent:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        out = step()
+        _sync(device)
+        cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    compute = wall if device == "cuda" else cpu
+    return out, {"act": peak["peak"], "where": peak["where"], "largest": peak["largest"],
+                 "compute": compute, "wall": wall, "sent": sent["bytes"]}
+
+
+def rank_run(job: dict[str, Any]) -> dict[str, Any]:
+    """One model in one mode on this rank: its measurements and its difference to the
+    one-device result (P = 1: writes that result to `job["ref_dir"]`)."""
+    torch.manual_seed(0)
+    run = _Run(job)
+    for _ in range(job["warmup"]):
+        run.run()
+        run.zero_grads()
+    (z, y), row = _measure(run.run, run.device, run.vae)
+    params = sum(_nbytes(p) for p in run.vae.parameters())
+    row.update(params=params * (2 if run.mode == "train" else 1),
+               latent_frames=z.shape[2], frames=run.leaf.shape[2])
+    path = os.path.join(job["ref_dir"], f"{job['name']}-{job['mode']}.pt")
+    result = _result(run, y)
+    if dist.get_world_size() == 1:
+        torch.save(result, path)
+        if run.mode == "train":
+            torch.save({n: p.grad.cpu() for n, p in run.vae.named_parameters()
+                        if p.grad is not None}, path + ".grads")
+        row["diff"] = row["rel"] = 0.0
+        if job["approx"] and run.mode != "train":
+            row["approx"] = _approximations(run, y)
+    else:
+        row["diff"], row["rel"] = _difference(run, result, path)
+    run.close()
+    return row
+
+
+def _result(run: _Run, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    out = {"out": y.cpu()}
+    if run.mode == "train":
+        assert run.leaf.grad is not None
+        out["input grad"] = run.leaf.grad.cpu()
+    return out
+
+
+def _difference(run: _Run, mine: dict[str, torch.Tensor], path: str
+                ) -> tuple[float, float]:
+    """Largest |shard - reference| over the outputs (and the gradients: parameter
+    gradients summed over ranks first, outside the measured run), absolute and relative:
+    over the largest |reference| of the same tensor, for a parameter gradient at least
+    1e-3 of the largest one (some are analytically zero, as an attention key's bias, and
+    hold only rounding noise on both sides)."""
+    ref = torch.load(path, mmap=True, weights_only=True)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    diffs = [_diff(got, shard(ref[key], 2, world, rank)) for key, got in mine.items()]
+    if run.mode == "train":
+        reduce_grads(run.vae, _mesh(run.device))
+        grads = torch.load(path + ".grads", mmap=True, weights_only=True)
+        params = [_diff(p.grad.cpu(), grads[n]) for n, p in run.vae.named_parameters()
+                  if p.grad is not None]
+        floor = 1e-3 * max(scale for _, scale in params)
+        diffs += [(d, max(scale, floor)) for d, scale in params]
+    return (max(d for d, _ in diffs), max((d / scale if scale else d) for d, scale in diffs))
+
+
+def _diff(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(max |got - ref|, max |ref|)."""
+    return _max_abs(got, ref), ref.abs().max().item() if ref.numel() else 0.0
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        raise AssertionError(f"shape {tuple(a.shape)} against the reference's "
+                             f"{tuple(b.shape)}")
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+# ---------------------------------------------------------------- one device's approximations
+def _tiled(run: _Run, side: int, frames: int) -> Callable[[], None] | None:
+    """`enable_tiling()` with two spatial tiles per axis: stride half the clip's side, tiles
+    a quarter of a stride longer (the blended overlap); None when the clip is too small."""
+    spatial = vae_models.MODELS[run.name].spatial[run.job["config"]]
+    stride = side // 2 // spatial * spatial
+    tile = stride + max(spatial, stride // 4 // spatial * spatial)
+    if stride == 0 or tile >= side:
+        return None
+    known = inspect.signature(run.vae.enable_tiling).parameters
+    given = {f"tile_sample_{kind}_{axis}": value
+             for kind, value in (("min", tile), ("stride", stride))
+             for axis in ("height", "width")}
+    # CogVideoX sets its stride as an overlap factor of the tile
+    given.update({f"tile_overlap_factor_{axis}": 1 - stride / tile
+                  for axis in ("height", "width")})
+    run.vae.enable_tiling(**{k: v for k, v in given.items() if k in known})
+    return run.vae.disable_tiling
+
+
+def _framewise(run: _Run, side: int, frames: int) -> Callable[[], None] | None:
+    """The model's temporal tiles (HunyuanVideo's default, LTX's option) of half the clip,
+    stride 3/4 of a tile; None where the model has none (or, Mochi, changes its convs'
+    padding for good)."""
+    vae, temporal = run.vae, vae_models.MODELS[run.name].temporal
+    if run.name not in ("hunyuan", "ltx", "ltx095") or frames <= temporal + 1:
+        return None
+    tile = temporal * max(1, (frames - 1) // temporal // 2)
+    saved = (vae.tile_sample_min_num_frames, vae.tile_sample_stride_num_frames)
+    vae.tile_sample_min_num_frames = tile
+    vae.tile_sample_stride_num_frames = temporal * max(1, tile * 3 // 4 // temporal)
+    vae.use_framewise_encoding = vae.use_framewise_decoding = True
+
+    def undo() -> None:
+        vae.use_framewise_encoding = vae.use_framewise_decoding = False
+        vae.tile_sample_min_num_frames, vae.tile_sample_stride_num_frames = saved
+    return undo
+
+
+def _approximations(run: _Run, exact: torch.Tensor) -> dict[str, dict[str, Any]]:
+    """Tiled and framewise runs of the one-device public call: measured as the exact one,
+    with their error against it."""
+    video, _ = vae_models.shapes(run.name, run.job["config"], run.job["frames"],
+                                 run.job["size"])
+    out: dict[str, dict[str, Any]] = {}
+    for variant, enable in (("tiled", _tiled), ("framewise", _framewise)):
+        undo = enable(run, video[-1], video[2])
+        if undo is None:
+            continue
+        try:
+            (_, y), row = _measure(run.run, run.device, run.vae)
+            row.update(_error(y.cpu(), exact.cpu()))
+        except Exception as exc:  # a diffusers variant that fails is reported, not fatal
+            row = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        finally:
+            undo()
+        out[variant] = row
+    return out
+
+
+def _error(got: torch.Tensor, exact: torch.Tensor) -> dict[str, float]:
+    """Max abs error, and PSNR in dB over the exact result's range (max - min)."""
+    if got.shape != exact.shape:
+        raise AssertionError(f"shape {tuple(got.shape)}, exact {tuple(exact.shape)}")
+    err = got.double() - exact.double()
+    mse, span = err.square().mean().item(), (exact.max() - exact.min()).item()
+    psnr = math.inf if mse == 0 else 10 * math.log10(span**2 / mse)
+    return {"max_abs": err.abs().max().item(), "psnr": psnr}
+
+
+# ---------------------------------------------------------------- the driver
+def _jobs(args: argparse.Namespace, ref_dir: str) -> list[dict[str, Any]]:
+    return [{"name": name, "mode": mode, "config": args.config,
+             "frames": _frames(name, args),
+             "size": args.size, "device": args.device, "warmup": args.warmup,
+             "approx": args.approx, "ref_dir": ref_dir}
+            for name in args.models for mode in args.modes]
+
+
+def _frames(name: str, args: argparse.Namespace) -> int:
+    """`--frames`, or the frames that give `--latent-frames` latent frames."""
+    if args.latent_frames is None:
+        return int(args.frames)
+    return 1 + vae_models.MODELS[name].temporal * (args.latent_frames - 1)
+
+
+def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+    """Every job on one world of P ranks; a job that fails is recorded (the world is
+    restarted if it timed out)."""
+    records: list[dict[str, Any]] = []
+    world = GlooWorld(p, timeout=timeout, pg_timeout=timeout)
+    try:
+        for job in jobs:
+            record = {"model": job["name"], "mode": job["mode"], "P": p}
+            try:
+                record["ranks"] = world.run(rank_run, job)
+            except (AssertionError, TimeoutError) as exc:
+                record["error"] = str(exc)[-2000:]
+                if not world.alive:
+                    world = GlooWorld(p, timeout=timeout, pg_timeout=timeout)
+            records.append(record)
+            print(_progress(record), flush=True)
+    finally:
+        world.close(force=not world.alive)
+    return records
+
+
+def _progress(record: dict[str, Any]) -> str:
+    head = f"# {record['model']} {record['mode']} P={record['P']}:"
+    if "error" in record:
+        return f"{head} FAILED {record['error'].strip().splitlines()[-1]}"
+    ranks = record["ranks"]
+    top = max(ranks, key=lambda r: r["act"])
+    return (f"{head} act {top['act'] / MiB:.1f} MiB, compute "
+            f"{max(r['compute'] for r in ranks):.2f} s, diff {max(r['diff'] for r in ranks):.1e}"
+            f"; peak in {top['where'] or '?'}")
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(vae_models.MODELS),
+                        default=list(vae_models.MODELS))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4],
+                        help="P values; P = 1 (the reference) always runs")
+    parser.add_argument("--frames", type=int, default=65,
+                        help="video frames at most (each model takes 1 + k * its factor)")
+    parser.add_argument("--latent-frames", type=int,
+                        help="instead of --frames: this many latent frames for every model")
+    parser.add_argument("--size", type=int, default=128, help="height = width, pixels")
+    parser.add_argument("--config", choices=("default", "tiny"), default="default")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    parser.add_argument("--approx", action="store_true",
+                        help="also diffusers' tiling and framewise runs on one device")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
+    parser.add_argument("--out", help="write every rank's numbers here (JSON)")
+    args = parser.parse_args(argv)
+    steady_allocator()
+    records: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="haloshard-vae-") as ref_dir:
+        for p in sorted({1, *args.ranks}):
+            records += _run_world(p, _jobs(args, ref_dir), args.timeout)
+    print(tables(records, args))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "machine": machine(args.device),
+                       "records": records}, f, indent=1)
+    return records
+
+
+def machine(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores".strip()
+
+
+def _mark(ratio: float, target: float) -> str:
+    return f"{ratio:.3f} {'ok' if ratio <= target else 'MISS'}"
+
+
+def _row(record: dict[str, Any], one: dict[str, Any] | None) -> str:
+    if "error" in record:
+        error = record["error"].strip().splitlines()[-1][:120]
+        return f"| {record['model']} | {record['P']} | failed: {error} |||||||||"
+    ranks, p = record["ranks"], record["P"]
+    act, compute = max(r["act"] for r in ranks), max(r["compute"] for r in ranks)
+    ratios = ["", ""]
+    if one is not None and "error" not in one:
+        base_act = max(r["act"] for r in one["ranks"])
+        base_compute = max(r["compute"] for r in one["ranks"])
+        ratios = [_mark(act * p / base_act, 1.15) if p > 1 else "1",
+                  _mark(compute * p / base_compute, 1.10) if p > 1 else "1"]
+    return (f"| {record['model']} | {p} | {min(r['latent_frames'] for r in ranks)} | "
+            f"{ranks[0]['params'] / MiB:.0f} | {act / MiB:.1f} | {ratios[0]} | "
+            f"{compute:.2f} | {ratios[1]} | {max(r['wall'] for r in ranks):.2f} | "
+            f"{max(r['sent'] for r in ranks) / MiB:.2f} | "
+            f"{max(r['diff'] for r in ranks):.1e} ({max(r['rel'] for r in ranks):.0e}) |")
+
+
+def _approx_rows(record: dict[str, Any]) -> list[str]:
+    exact = record["ranks"][0]
+    rows = []
+    for variant, row in exact.get("approx", {}).items():
+        if "error" in row:
+            rows.append(f"| {record['model']} | {variant} | failed: {row['error'][:120]} ||||||")
+            continue
+        rows.append(f"| {record['model']} | {variant} | {row['compute']:.2f} | "
+                    f"{exact['compute']:.2f} | {row['act'] / MiB:.1f} | "
+                    f"{row['act'] / exact['act']:.3f} | {row['max_abs']:.2e} | "
+                    f"{row['psnr']:.1f} |")
+    return rows
+
+
+def _peaks(records: list[dict[str, Any]]) -> list[str]:
+    """Where the busiest rank of each run peaked: the op, inside the innermost module."""
+    lines = []
+    for record in records:
+        if "error" in record:
+            continue
+        top = max(record["ranks"], key=lambda r: r["act"])
+        where = top["where"].split(" < ")[:2]
+        if where and where[0]:
+            lines.append(f"{record['model']} P={record['P']}: {' in '.join(where)}")
+    return ["", "Peaks (busiest rank): " + "; ".join(lines)] if lines else []
+
+
+def tables(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """One markdown table per mode (busiest rank per P), and one of diffusers' tiling."""
+    length = (f"{args.latent_frames} latent frames" if args.latent_frames
+              else f"<= {args.frames} frames")
+    lines = [f"VAEs at their {args.config} configs, float32, video (1, 3, {length}, "
+             f"{args.size}, {args.size}), {args.device} ({machine(args.device)}), "
+             f"{time.strftime('%Y-%m-%d')}"]
+    ones = {(r["model"], r["mode"]): r for r in records if r["P"] == 1}
+    for mode in args.modes:
+        lines += ["", f"{mode}:", "",
+                  "| model | P | latent T/rank | params MiB | act MiB | act*P/one (<=1.15) | "
+                  "compute s | compute*P/one (<=1.10) | wall s | MiB sent | max diff (rel) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [_row(r, ones.get((r["model"], mode)))
+                  for name in args.models for r in records
+                  if r["mode"] == mode and r["model"] == name]
+        lines += _peaks([r for name in args.models for r in records
+                         if r["mode"] == mode and r["model"] == name])
+        approx = [row for name in args.models for r in records
+                  if r["mode"] == mode and r["model"] == name and r["P"] == 1
+                  and "error" not in r for row in _approx_rows(r)]
+        if approx:
+            lines += ["", f"{mode}, diffusers' approximations on one device:", "",
+                      "| model | run | compute s | exact s | act MiB | act/exact | max abs "
+                      "| PSNR dB |", "|---|---|---|---|---|---|---|---|", *approx]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""`python -m benchmarks.vae` runs end to end at a tiny size (so it never rots), its
+sharded runs match one device's public calls, and its counters count what they claim.
+
+The tiny configs keep each model's structure (causal convs, norms, attention, temporal
+down- and upsampling) with a few channels; 9 frames at 32 px give every model 2-3 latent
+frames, so 2 ranks hold 1-2 each.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from haloshard.testing import GlooWorld
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not installed
+    sys.path.insert(0, str(ROOT))
+
+pytest.importorskip("diffusers")
+
+from benchmarks import vae  # noqa: E402
+
+# float32 throughout. Inference: the sharded run computes the same products, summed in
+# another order in the windowed convs and the all-gathered norm statistics: measured 3e-6
+# of the output's largest value at most. Training adds the backward of ~50 layers and
+# parameter gradients summed over ranks: measured 5e-4 at most (Mochi: float32 sums over
+# its per-pixel attention along T). A wrong or missing frame is O(1).
+REL_TOL = {"decode": 1e-4, "encode": 1e-4, "train": 5e-3}
+TINY = ["--config", "tiny", "--frames", "9", "--size", "32", "--warmup", "0",
+        "--timeout", "300"]
+
+
+def _check(records: list[dict[str, Any]], modes: list[str], models: list[str]) -> None:
+    assert {(r["model"], r["mode"], r["P"]) for r in records} == {
+        (m, mode, p) for m in models for mode in modes for p in (1, 2)}
+    for record in records:
+        assert "error" not in record, record["error"]
+        for row in record["ranks"]:
+            assert row["act"] > 0 and row["compute"] > 0 and row["wall"] > 0, row
+            assert row["rel"] <= REL_TOL[record["mode"]], record
+            # one device moves nothing; two ranks exchange halos
+            assert (row["sent"] > 0) == (record["P"] > 1), record
+
+
+@pytest.mark.gloo
+def test_every_model_every_mode(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Decode, encode and a training step, all six models, P = 1 and 2, diffusers' tiling
+    beside (one pair of worlds: starting them dominates at this size)."""
+    models, modes = sorted(vae.vae_models.MODELS), list(vae.MODES)
+    out = tmp_path / "results.json"
+    records = vae.main([*TINY, "--ranks", "2", "--approx", "--out", str(out)])
+    _check(records, modes, models)
+    hunyuan = next(r for r in records
+                   if r["model"] == "hunyuan" and r["mode"] == "decode" and r["P"] == 1)
+    approx = hunyuan["ranks"][0]["approx"]
+    # tiling and temporal tiles change the result: that is what the exact runs avoid
+    assert approx.keys() == {"tiled", "framewise"}
+    assert all(row["max_abs"] > 0 and row["psnr"] < 100 for row in approx.values()), approx
+    printed = capsys.readouterr().out
+    for header in ("decode:", "encode:", "train:", "decode, diffusers' approximations"):
+        assert header in printed
+    assert json.loads(out.read_text())["records"] == json.loads(json.dumps(records))
+
+
+def counted(size: int) -> dict[str, float]:
+    """On each rank: bytes_sent of one all-to-all of `size` float32 rows per peer, and
+    peak_bytes of one allocation of 1 MiB."""
+    world = dist.get_world_size()
+    buf = torch.zeros(size * world)
+    with vae.bytes_sent() as sent:
+        dist.all_to_all_single(torch.empty_like(buf), buf)
+        dist.all_gather_single(torch.empty(size * world), torch.zeros(size))
+        # DTensor's own gathers: funcol's all_gather_tensor calls all_gather_single
+        funcol.all_gather_tensor(torch.zeros(size), 0, dist.group.WORLD).wait()
+    with vae.peak_bytes("cpu") as peak:
+        torch.ones(2**18).sum()  # float32: 1 MiB, freed at once
+    return {"sent": sent["bytes"], "peak": peak["peak"]}
+
+
+@pytest.mark.gloo
+def test_counters(gloo: Callable[[int], GlooWorld]) -> None:
+    """An all-to-all sends its rows to the other P - 1 ranks, an all-gather its input to
+    them (a functional one counted once); the peak counts a transient 1 MiB buffer (its
+    sum's scalar output beside it)."""
+    for row in gloo(2).run(counted, 1000):
+        assert row["sent"] == 3 * 1000 * 4, row
+        assert 2**20 <= row["peak"] <= 2**20 + 1024, row
