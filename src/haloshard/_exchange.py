@@ -12,9 +12,9 @@ from, on its owner.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 from einops import rearrange
@@ -398,6 +398,9 @@ def _copy_runs(out: torch.Tensor, src: torch.Tensor, dim: int, runs: Runs) -> No
 
 
 # Decorated once here: building the wrapper inside a compiled region breaks dynamo's guards.
+# Simulated ranks pass their rank as a SymInt, which torch's typing of the decorator
+# (the wrapped signature, `rank: int`) does not admit.
+_rank_plan_tensors: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 _rank_plan_tensors = maybe_run_for_local_tensor(_plan_tensors)
 _rank_fill_tensors = per_rank(HaloFill)(_fill_tensors)
 
@@ -524,7 +527,8 @@ class HaloMove:
         if not _comm.is_eager(t):
             return None
         r = self.route
-        return _plan_runs(r.group.rank, r.lengths, r.left, r.right, r.pad, gap, r.held)
+        rank = cast(int, r.group.rank)  # eager: an int (a SymInt only on simulated ranks)
+        return _plan_runs(rank, r.lengths, r.left, r.right, r.pad, gap, r.held)
 
     def zero_slots(self, t: torch.Tensor, gap: int) -> frozenset[int]:
         """Positions of a `left + gap + right` halo buffer that `fill` leaves zero (zero
@@ -533,7 +537,8 @@ class HaloMove:
         if not _comm.is_eager(t):
             return frozenset()
         r = self.route
-        plan = exchange_plan(r.group.rank, r.lengths, r.left, r.right, r.pad, r.held)
+        rank = cast(int, r.group.rank)  # eager: an int (a SymInt only on simulated ranks)
+        plan = exchange_plan(rank, r.lengths, r.left, r.right, r.pad, r.held)
         return frozenset(halo_fill(plan, gap).zero_pos)
 
     def start(self, x: torch.Tensor) -> _comm.Pending:
