@@ -449,10 +449,9 @@ def check_plan(
         >>> full = torch.randn(1, 2, 9, 4, 4, dtype=torch.float64)
         >>> check_plan(mesh, model, {"0": HaloParallel()}, full, 1)  # passes: returns None
 
-        With a model-specific call and reference (a diffusers VAE: not run here)::
-
-            check_plan(mesh, vae, wan_decoder_plan(vae), z, 1, run=wan_decode,
-                       reference=lambda m, z: m._decode(z).sample)
+        # a diffusers VAE, with its own call and reference (not run here):
+        check_plan(mesh, vae, wan_decoder_plan(vae), z, 1, run=wan_decode,
+                   reference=lambda m, z: m._decode(z).sample)
     """
     import copy
 
