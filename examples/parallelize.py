@@ -84,7 +84,9 @@ def run() -> None:
     y = model(distribute_tensor(video, mesh, [Shard(2)]))  # a Shard(2) DTensor, exact
     y.to_local().sum().backward()
     reduce_grads(model, mesh)  # or let DDP/FSDP over the cp ranks reduce them
-    print(f"rank {dist.get_rank()}: output frames {y.to_local().shape[2]} of {y.shape[2]}")
+    # one write per line: the ranks share the terminal
+    print(f"rank {dist.get_rank()}: output frames {y.to_local().shape[2]} of {y.shape[2]}\n",
+          end="", flush=True)
     dist.destroy_process_group()
 
 

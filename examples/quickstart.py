@@ -52,7 +52,9 @@ def main() -> None:
     ref_x = video.clone().requires_grad_()
     ref_y = single(ref_x)
     ref_y.square().sum().backward()
-    print(f"rank {dist.get_rank()}: {compare(x, y, model, ref_x, ref_y, single)}")
+    # one write per line: the ranks share the terminal
+    print(f"rank {dist.get_rank()}: {compare(x, y, model, ref_x, ref_y, single)}\n", end="",
+          flush=True)
     dist.destroy_process_group()
 
 

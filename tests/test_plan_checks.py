@@ -2,8 +2,9 @@
 
 - `halo_plan(include_convs=True)` plans GroupNorms with `include_norms=True` and otherwise
   names every module it leaves uncovered that touches the sharded dim;
-- a layer a hand-written plan leaves out, met by a DTensor, raises an error naming it by
-  fqn and its missing plan entry (at run time on every rank, and in `verify_plan`);
+- a layer a hand-written plan leaves out, met by a DTensor, is named by fqn with its missing
+  plan entry in `verify_plan`; a plain run keeps torch's own error (haloshard installs no
+  process-wide module hook: torch.compile warns about those, and they slow every model);
 - `plan_for` checks every module, with or without parameters, and the VAE's own switches;
   it plans LTX-Video 0.9.5/0.9.7's encoder (`LTXVideoDownsampler3d`) exactly.
 
@@ -145,12 +146,13 @@ def run_with_missing_norm(mesh: Any) -> None:
 
 
 @pytest.mark.simulated
-def test_missing_entry_named_at_run_time() -> None:
+def test_missing_entry_keeps_torch_error_at_run_time() -> None:
+    """No process-wide hook rewrites errors: a plain run raises DTensor's own error (every
+    rank alike, see the gloo test); `verify_plan` names the module and its entry."""
     with simulated_mesh(2) as mesh, pytest.raises(
-            RuntimeError, match=r"^blocks\.1\.norm \(GroupNorm\) has no plan entry.*Add an "
-                                r"entry for 'blocks\.1\.norm'.*DTensor said: aten\."
-                                r"native_group_norm\.default got mixed torch\.Tensor"):
+            RuntimeError, match=r"^aten\.native_group_norm\.default got mixed torch\.Tensor"):
         run_with_missing_norm(mesh)
+    assert not torch.nn.modules.module._global_forward_hooks
 
 
 @pytest.mark.simulated
@@ -192,10 +194,10 @@ def missing_norm_on_rank() -> tuple[str, float]:
 
 @pytest.mark.gloo
 def test_missing_entry_named_on_every_rank(gloo: Callable[[int], Any]) -> None:
-    """Real processes: every rank raises the named error at once; none is left waiting."""
+    """Real processes: every rank raises DTensor's error at once; none is left waiting."""
     outcomes = gloo(3).run(missing_norm_on_rank, timeout=120)
     for rank, (text, seconds) in enumerate(outcomes):
-        assert text.startswith("RuntimeError: blocks.1.norm (GroupNorm) has no plan entry"), \
+        assert text.startswith("RuntimeError: aten.native_group_norm.default got mixed"), \
             (rank, text)
         assert seconds < AT_ONCE_S, (rank, seconds)
 

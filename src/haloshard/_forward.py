@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.hooks import RemovableHandle
 
-from haloshard import _comm, _guard
+from haloshard import _comm
 from haloshard._errors import HaloError, named
 from haloshard._tracing import surfaces_errors
 
@@ -183,7 +183,6 @@ class HaloHandle:
         self._module: nn.Module | None = module
         self._saved, self._forward = saved, forward
         self._hooks: list[RemovableHandle] = []
-        _guard.register()  # a planned model's uncovered layers get named (see _guard)
 
     @property
     def attached(self) -> bool:
