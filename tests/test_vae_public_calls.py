@@ -175,14 +175,21 @@ def test_unused_view_outputs(kind: str) -> None:
 
 @pytest.mark.simulated
 def test_mixed_cat_elsewhere_still_refused() -> None:
-    """Outside those backward nodes a plain tensor beside a DTensor is refused as before."""
+    """Outside those backward nodes a plain tensor beside a DTensor is refused as before,
+    and so is a nonzero one inside (a tensor hook on a view's output runs in its node)."""
     install()
+    mixed = r"got mixed torch\.Tensor and DTensor"
     with simulated_mesh(2) as mesh:
         x, _ = sharded(mesh, seeded_randn((1, 2, 4, 1, 1), 1))
         with single_device():
-            plain = torch.zeros(1, 2, 4, 1, 1, dtype=torch.float64)
-        with pytest.raises(RuntimeError, match=r"got mixed torch\.Tensor and DTensor"):
-            torch.cat([x, plain], dim=1)
+            zeros = torch.zeros(1, 2, 4, 1, 1, dtype=torch.float64)
+            ones = torch.ones(1, 1, 4, 1, 1, dtype=torch.float64)
+        with pytest.raises(RuntimeError, match=mixed):
+            torch.cat([x, zeros], dim=1)
+        first = torch.chunk(x * 2, 2, dim=1)[0]
+        first.register_hook(lambda g: torch.cat([g, ones], dim=1)[:, :1])
+        with pytest.raises(RuntimeError, match=mixed):
+            first.sum().backward()
 
 
 def on_gloo() -> None:

@@ -229,6 +229,10 @@ def _zero_fills(tensors: object) -> DTensor | None:
     ref = dtensors[0]
     if halo_axes(ref.placements) or any(t.device_mesh != ref.device_mesh for t in dtensors):
         return None
+    # A tensor hook on a view's output runs inside the same node: a cat there is the
+    # user's, so a plain tensor counts as a fill only if it is zero (one pass over it).
+    if any(bool(t.any()) for t in tensors if not isinstance(t, DTensor)):
+        return None
     return ref
 
 
