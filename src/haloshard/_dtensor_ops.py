@@ -36,9 +36,10 @@ A gap torch leaves in DTensor's backward (the guard is installed, so the program
 haloshard): the backward of a multi-output view (`torch.chunk`, `split`, `unbind`) fills the
 gradient of an output nothing used with plain zeros (built from `TensorOptions`, which carry
 no DTensor) and cats or stacks them with the DTensor gradients, which DTensor refuses ("got
-mixed torch.Tensor and DTensor"). Inside exactly those backward nodes the plain tensors are
-those zeros, so they become zero DTensors placed like the gradients beside them: the same
-values, no communication, decided by the graph (the same on every rank), not by the data.
+mixed torch.Tensor and DTensor"). Inside exactly those backward nodes, plain tensors that
+are zero (a tensor hook's own cat runs there too) become zero DTensors placed like the
+gradients beside them: the same values, no communication, decided by the graph (the same
+on every rank).
 diffusers' `DiagonalGaussianDistribution` chunks the moments, so training through
 `vae.encode(x).latent_dist.mode()` needs this.
 
@@ -71,6 +72,7 @@ from haloshard._compat import (
     OutputSharding,
     TensorMeta,
     clear_sharding_cache,
+    current_autograd_node,
     custom_op_handlers,
     maybe_disable_local_tensor_mode,
     maybe_run_for_local_tensor,
@@ -223,7 +225,7 @@ def _zero_fills(tensors: object) -> DTensor | None:
     dtensors = [t for t in tensors if isinstance(t, DTensor)]
     if not dtensors or len(dtensors) == len(tensors):
         return None
-    node = torch._C._current_autograd_node()
+    node = current_autograd_node()
     if node is None or type(node).__name__ not in ZERO_FILLING:
         return None
     ref = dtensors[0]
