@@ -111,6 +111,10 @@ tree_unflatten = _pytree.tree_unflatten
 select_conv_backend = torch._C._select_conv_backend
 SLOW_CONV3D = frozenset({torch._C._ConvBackend.Slow3d, torch._C._ConvBackend.SlowDilated3d})
 
+# The autograd node whose backward is running (None outside backward): `_dtensor_ops` knows
+# by it that a cat is torch's own in a split's backward.
+current_autograd_node = torch._C._current_autograd_node
+
 # nn.Conv*'s private record of its padding, read by its forward for non-zeros padding modes:
 # `_specs` checks it against `padding` and the hooks keep it in step when they zero one dim.
 CONV_PADDING_RECORD = "_reversed_padding_repeated_twice"

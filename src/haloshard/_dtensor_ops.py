@@ -32,6 +32,17 @@ Supported on a `HaloShard` DTensor:
 - `to_local()`, differentiably (torch's own backward cannot rebuild a custom placement).
 - detach and alias.
 
+A gap torch leaves in DTensor's backward (the guard is installed, so the program uses
+haloshard): the backward of a multi-output view (`torch.chunk`, `split`, `unbind`) fills the
+gradient of an output nothing used with plain zeros (built from `TensorOptions`, which carry
+no DTensor) and cats or stacks them with the DTensor gradients, which DTensor refuses ("got
+mixed torch.Tensor and DTensor"). Inside exactly those backward nodes, plain tensors that
+are zero (a tensor hook's own cat runs there too) become zero DTensors placed like the
+gradients beside them: the same values, no communication, decided by the graph (the same
+on every rank).
+diffusers' `DiagonalGaussianDistribution` chunks the moments, so training through
+`vae.encode(x).latent_dist.mode()` needs this.
+
 Wherever a `HaloShard` DTensor enters (redistribute, `to_local`, convolution, scalar ops) its
 local length is checked against the placement: `DTensor.from_local` checks nothing.
 
@@ -51,6 +62,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import zeros as dtensor_zeros
 
 from haloshard._compat import (
     DTensorSpec,
@@ -60,6 +72,7 @@ from haloshard._compat import (
     OutputSharding,
     TensorMeta,
     clear_sharding_cache,
+    current_autograd_node,
     custom_op_handlers,
     maybe_disable_local_tensor_mode,
     maybe_run_for_local_tensor,
@@ -107,6 +120,13 @@ SCALAR_DEPENDENT: frozenset[OpOverload] = frozenset({
 })
 # Ops whose torch propagation already keeps a HaloShard right (no data change, same layout).
 KEEP: frozenset[OpOverload] = frozenset({aten.detach.default, aten.alias.default})
+# torch's backward nodes of multi-output views that fill an unused output's gradient with
+# plain zeros before a cat (split) or stack (unbind).
+ZERO_FILLING: frozenset[str] = frozenset({
+    "SplitBackward0", "SplitWithSizesBackward0", "UnsafeSplitBackward0",
+    "UnsafeSplitWithSizesBackward0", "UnbindBackward0",
+})
+ZERO_FILLED: frozenset[OpOverload] = frozenset({aten.cat.default, aten.stack.default})
 _installed: dict[str, Any] = {}
 
 
@@ -189,6 +209,48 @@ def scalar_handler(previous: Handler | None) -> Handler:
                                       f"maps the zero halo to {out}, so pad='zeros' would no "
                                       "longer hold)")
                 break
+        if previous is not None:
+            return previous(op_call, args, kwargs)
+        return _without_handler(op_call, args, kwargs)
+
+    handler.haloshard_previous = previous  # type: ignore[attr-defined]
+    return handler
+
+
+def _zero_fills(tensors: object) -> DTensor | None:
+    """The DTensor gradient beside plain zero fills in a `ZERO_FILLING` node's cat or
+    stack (None anywhere else: torch's own error stands)."""
+    if not isinstance(tensors, (list, tuple)):
+        return None
+    dtensors = [t for t in tensors if isinstance(t, DTensor)]
+    if not dtensors or len(dtensors) == len(tensors):
+        return None
+    node = current_autograd_node()
+    if node is None or type(node).__name__ not in ZERO_FILLING:
+        return None
+    ref = dtensors[0]
+    if halo_axes(ref.placements) or any(t.device_mesh != ref.device_mesh for t in dtensors):
+        return None
+    # A tensor hook on a view's output runs inside the same node: a cat there is the
+    # user's, so a plain tensor counts as a fill only if it is zero (one pass over it).
+    if any(bool(t.any()) for t in tensors if not isinstance(t, DTensor)):
+        return None
+    return ref
+
+
+def zero_fill_handler(previous: Handler | None) -> Handler:
+    """`aten.cat` / `aten.stack` in the backward of a multi-output view: the plain zeros
+    torch fills in for unused outputs become zero DTensors placed like the used ones'
+    gradients (see the module docstring); everything else goes on unchanged."""
+
+    def handler(op_call: OpOverload, args: tuple[object, ...],
+                kwargs: dict[str, object]) -> object:
+        ref = _zero_fills(args[0])
+        if ref is not None:
+            filled = [t if isinstance(t, DTensor) else dtensor_zeros(
+                t.shape, dtype=t.dtype, device_mesh=ref.device_mesh,  # type: ignore[union-attr]
+                placements=ref.placements) for t in args[0]]  # type: ignore[union-attr]
+            args = (filled, *args[1:])
         if previous is not None:
             return previous(op_call, args, kwargs)
         return _without_handler(op_call, args, kwargs)
@@ -446,6 +508,8 @@ def install() -> None:
         handlers[op] = makers.get(op, refuse_halo)(previous)
     for op in SCALAR_DEPENDENT:
         handlers[op] = scalar_handler(handlers.get(op))
+    for op in ZERO_FILLED:
+        handlers[op] = zero_fill_handler(handlers.get(op))
     set_sharding_slow_path(_guard(_installed["propagate"]))
     DTensor.redistribute = _redistribute_method  # type: ignore[method-assign]
     DTensor.to_local = _to_local_method  # type: ignore[method-assign]
@@ -458,7 +522,7 @@ def uninstall() -> None:
     if not _installed:
         return
     handlers = custom_op_handlers()
-    for op in SCALAR_DEPENDENT - set(_installed["handlers"]):
+    for op in (SCALAR_DEPENDENT | ZERO_FILLED) - set(_installed["handlers"]):
         handlers.pop(op, None)
     handlers.update(_installed["handlers"])
     DTensor.to_local = _installed["to_local"]  # type: ignore[method-assign]

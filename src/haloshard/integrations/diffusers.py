@@ -10,6 +10,7 @@ tests/test_diffusers.py):
   batches (GroupNorm statistics per batch), which `cogvideox_encode(vae, x)` and
   `cogvideox_decode(vae, z)` compute exactly with T sharded;
 - `AutoencoderKLMochi`: encoder and decoder, causal attention along T per pixel;
+  `mochi_decode(vae, z)` is `vae.decode(z).sample` with the video left sharded;
 - `AutoencoderKLLTXVideo`: the 0.9.0 configuration, residual upsamplers with any
   `upsample_factor`, timestep conditioning (0.9.1+: per-sample tables on the decoder
   and its resnets, `ReplicatedArgsParallel`), and 0.9.5/0.9.7's encoder downsamplers
@@ -86,6 +87,7 @@ from haloshard._norms import group_norm
 from haloshard._styles import HaloParallel
 from haloshard.integrations._cogvideox import cogvideox_decode, cogvideox_encode
 from haloshard.integrations._ltx import LTXDownsamplerParallel, SpaceToDepthStencil
+from haloshard.integrations._mochi import mochi_decode
 from haloshard.integrations._wan import (
     CachedUpStencil,
     cached_resample,
@@ -99,6 +101,7 @@ __all__ = [
     "plan_for",
     "cogvideox_encode",
     "cogvideox_decode",
+    "mochi_decode",
     "wan_encoder_plan",
     "wan_encode",
     "wan_decoder_plan",
