@@ -20,13 +20,16 @@ import sys
 import textwrap
 import types
 import warnings
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as _funcol
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from haloshard import _comm, _compat
+import haloshard
+from haloshard import HaloShard, _comm, _compat
 from haloshard.testing import counted_collectives, per_rank, rank_map, simulated_mesh
 
 PACKAGE = pathlib.Path(_compat.__file__).parent
@@ -213,7 +216,7 @@ def test_renamed_prefers_the_new_name() -> None:
 def test_compat_binds_predecessors_before_2_13(monkeypatch: pytest.MonkeyPatch) -> None:
     """A torch without the 2.13 names (2.11, 2.12): `_compat` binds their predecessors."""
     for name in VERSION_NEW:
-        monkeypatch.delattr(_funcol, name)
+        monkeypatch.delattr(_funcol, name, raising=False)  # (absent before 2.13)
     try:
         importlib.reload(_compat)
         assert _compat.all_gather_single is _funcol.all_gather_tensor
@@ -222,7 +225,8 @@ def test_compat_binds_predecessors_before_2_13(monkeypatch: pytest.MonkeyPatch) 
     finally:
         monkeypatch.undo()
         importlib.reload(_compat)
-    assert _compat.all_gather_single is _funcol.all_gather_single
+    assert _compat.all_gather_single is _compat.renamed(_funcol, "all_gather_single",
+                                                        "all_gather_tensor")
 
 
 def test_c10d_predecessors_before_2_13(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,7 +234,7 @@ def test_c10d_predecessors_before_2_13(monkeypatch: pytest.MonkeyPatch) -> None:
     `reduce_scatter_tensor`, and `counted_collectives` counts them under the new names."""
     called: list[tuple[str, object, object, dict[str, object]]] = []
     for new, old in _compat.C10D_RENAMED.items():
-        monkeypatch.delattr(dist, new)
+        monkeypatch.delattr(dist, new, raising=False)
         monkeypatch.setattr(dist, old, lambda out, inp, _old=old, **kw:
                             called.append((_old, out, inp, kw)))
     out, inp, group = torch.zeros(4), torch.ones(2), object()
@@ -267,3 +271,37 @@ def test_funcol_predecessors_move_the_same_data(monkeypatch: pytest.MonkeyPatch)
         # each rank's block r of the gathered gradient, summed over the ranks
         assert torch.equal(per_rank(leaf.grad)[r], world * torch.arange(4.0) + 4 * r * world)
     assert ints == [[r, 7 * r] for r in range(world)]
+
+
+def _no_torch_rule_for_halos(propagate: Any) -> Any:
+    """A stand-in for torch's sharding rules that fails when asked about a HaloShard input."""
+
+    def rule(schema: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(q, HaloShard) for arg in schema.args_schema
+               if hasattr(arg, "placements") for q in arg.placements):
+            raise AssertionError(f"torch's rule was asked about {schema.op}")
+        return propagate(schema, *args, **kwargs)
+
+    return rule
+
+
+def test_detach_and_alias_keep_the_halo_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.14's rule for `detach` redistributes an unknown placement to Replicate (which
+    raised for a relu on a HaloShard DTensor that requires grad): the guard answers for
+    detach and alias itself, whatever torch's rules say. Data: exact, the same tensors."""
+    halo = (HaloShard(2, 2, 0),)  # the first HaloShard installs the guard
+    _compat.clear_sharding_cache()  # torch's caches would answer before the guard is asked
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "propagate_op_sharding_non_cached"):
+        monkeypatch.setattr(propagator, name, _no_torch_rule_for_halos(getattr(propagator, name)))
+    full = torch.arange(24.0, dtype=torch.float64).reshape(1, 3, 8) - 11
+    with simulated_mesh(3) as mesh:
+        x = haloshard.redistribute(
+            distribute_tensor(full, mesh, (Shard(2),)).requires_grad_(), halo)
+        outs = [x.detach(), torch.ops.aten.alias(x), x.relu()]
+        assert [out.placements for out in outs] == [halo] * 3, [o.placements for o in outs]
+        got = [out.to_local() for out in outs]
+        expected = [x.to_local(), x.to_local(), x.to_local().relu()]
+    for out, want in zip(got, expected, strict=True):
+        for r, local in per_rank(out).items():
+            assert torch.equal(local, per_rank(want)[r]), r
