@@ -5,7 +5,7 @@
 #
 # Makes (or reuses) /tmp/haloshard-torch-VERSION, installs torch==VERSION with pip's own
 # dependency resolution (from the index these are CUDA builds of several GB; point pip at a
-# folder of wheels fetched earlier with WHEELS=/path), einops, pytest and hypothesis, then this
+# folder of wheels fetched earlier with WHEELS=/path), einops, pytest, hypothesis and numpy, then this
 # checkout as a wheel without dependencies, and `pip check`s that the package's declared torch
 # range accepts VERSION. It runs the layout, exchange, conv, hooks, redistribute, attention,
 # norms and error tests (simulated ranks and 2-4 gloo processes; no diffusers, notebooks or
@@ -32,8 +32,10 @@ setup() {
 : > "$venv/setup.log"
 links=()
 [[ -d ${WHEELS:-} ]] && links=(--find-links "$WHEELS")
+# numpy: torch does not require it, but torch.distributed.tensor.debug (CommDebugMode, which
+# tests outside the subset use) imports it.
 setup "$venv/bin/pip" install "${links[@]}" "torch==$version" "einops>=0.7" "pytest>=8" \
-    "hypothesis>=6.100"
+    "hypothesis>=6.100" numpy
 build=$(mktemp -d)
 trap 'rm -rf "$build"' EXIT
 setup "$venv/bin/pip" wheel --no-deps -w "$build" "$repo"
