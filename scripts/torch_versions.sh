@@ -3,15 +3,16 @@
 #
 #   scripts/torch_versions.sh VERSION [PYTEST_ARGS...]     e.g. scripts/torch_versions.sh 2.12.1
 #
-# Makes (or reuses) /tmp/haloshard-torch-VERSION, installs torch==VERSION with pip's own
+# Makes (or reuses) /tmp/haloshard-torch-VERSION and installs torch==VERSION with pip's own
 # dependency resolution (from the index these are CUDA builds of several GB; point pip at a
-# folder of wheels fetched earlier with WHEELS=/path), einops, pytest, hypothesis and numpy, then this
-# checkout as a wheel without dependencies, and `pip check`s that the package's declared torch
-# range accepts VERSION. It runs the layout, exchange, conv, hooks, redistribute, attention,
-# norms and error tests (simulated ranks and 2-4 gloo processes; no diffusers, notebooks or
-# compile tests) and ends with one line:
-#   torch 2.12.1 (2026-12-04): 370 passed, 7 skipped, 0 failed in 312s
-# CI keeps the pinned torch; this script is for checking another release by hand.
+# folder of wheels fetched earlier with WHEELS=/path), einops, pytest, hypothesis and numpy;
+# then this checkout as a wheel without dependencies, and `pip check`s that the package's
+# declared torch range accepts VERSION. It runs the compat, import, layout, exchange, conv,
+# hooks, redistribute, attention, norms, errors and testing-helper tests (simulated ranks and
+# 2-4 gloo processes; no diffusers, notebooks or compile tests; more files or pytest options
+# can follow VERSION) and ends with one line, e.g.
+#   torch 2.12.1+cu130 (2026-12-04): 326 passed, 2 skipped in 650.00s [673s, log ...]
+# CI keeps the pinned torch; this script checks another release by hand.
 set -euo pipefail
 
 version=${1:?usage: scripts/torch_versions.sh VERSION [PYTEST_ARGS...]}
