@@ -305,27 +305,3 @@ def test_detach_and_alias_keep_the_halo_layout(monkeypatch: pytest.MonkeyPatch) 
     for out, want in zip(got, expected, strict=True):
         for r, local in per_rank(out).items():
             assert torch.equal(local, per_rank(want)[r]), r
-
-
-def test_python_chunk_split_is_torchs() -> None:
-    """The split `_compat` runs where dynamo cannot trace torch's (before 2.12) is
-    `Shard.local_shard_size_and_offset`'s, for every chunk of lengths 0-40 on 1-9 chunks."""
-    for length in range(41):
-        for chunks in range(1, 10):
-            for rank in range(chunks):
-                want = Shard.local_shard_size_and_offset(length, chunks, rank)
-                got = _compat._chunk_split(length, chunks, rank)
-                assert got == tuple(int(v) for v in want), (length, chunks, rank, got, want)
-
-
-def test_shard_split_compiles_fullgraph() -> None:
-    """`shard_size_and_offset` traces without a graph break (torch 2.11's dynamo could not
-    trace torch's own split, which broke every compiled exchange)."""
-
-    def chunk_of(x: torch.Tensor) -> torch.Tensor:
-        size, offset = haloshard.shard_size_and_offset(x.shape[0], 3, 1)
-        return x.narrow(0, offset, size) * 2
-
-    x = torch.arange(7.0)
-    compiled = torch.compile(chunk_of, fullgraph=True, backend="eager")
-    assert torch.equal(compiled(x), x[3:6] * 2)

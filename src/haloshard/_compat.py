@@ -98,7 +98,7 @@ check_torch_version(torch.__version__)
 
 from torch.distributed import _functional_collectives as _funcol
 from torch.distributed import _local_tensor as _local
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import _dtensor_spec as _spec
 from torch.distributed.tensor import _op_schema as _schema
 from torch.utils import _pytree
@@ -179,25 +179,6 @@ def dist_reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, *, gro
     into `output`."""
     fn = getattr(dist, c10d_name("reduce_scatter_single"))
     return fn(output, input, group=group, async_op=async_op)
-
-
-
-def _chunk_split(length: int, num_chunks: int, rank: int) -> tuple[int, int]:
-    """(size, offset) of chunk `rank` of `length` slices, `torch.chunk`'s split: the
-    arithmetic of `Shard.local_shard_size_and_offset`, in Python."""
-    full = -(-length // num_chunks)
-    start = full * rank
-    if start > length:
-        return 0, length
-    return min(length, start + full) - start, start
-
-
-# `Shard(dim)`'s split of a length into chunks. Dynamo before torch 2.12 cannot trace this
-# staticmethod of the C-backed `Shard` (a graph break, so `fullgraph=True` fails); there the
-# same arithmetic runs in Python.
-shard_split: Callable[[int, int, int], tuple[int, int]] = (
-    Shard.local_shard_size_and_offset
-    if (torch_release(torch.__version__) or (0, 0)) >= (2, 12) else _chunk_split)
 
 # Pytrees: the arguments of an op that a torch function mode sees (ReplicatedArgsParallel).
 tree_flatten = _pytree.tree_flatten

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, Shard
 
-from haloshard._compat import maybe_run_for_local_tensor, shard_split
+from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError
 
 PadMode = Literal["zeros", "replicate", "reflect", "circular"]
@@ -32,7 +32,7 @@ def shard_size_and_offset(length: int, num_chunks: int, rank: int) -> tuple[int,
         >>> shard_size_and_offset(5, 4, 2)
         (1, 4)
     """
-    size, offset = shard_split(length, num_chunks, rank)
+    size, offset = Shard.local_shard_size_and_offset(length, num_chunks, rank)
     return int(size), int(offset)
 
 
