@@ -112,8 +112,8 @@ def test_private_torch_names_only_in_compat() -> None:
     assert any("_local_tensor" in f for f in compat), compat
 
 
-# Issue 27: torch 2.11 to 2.14 are supported; older is refused, newer warns.
-@pytest.mark.parametrize("version", ["2.11.0", "2.11.0a0+git1", "2.12.1", "2.13.0+cpu",
+# Issue 27: torch 2.12 to 2.14 are supported; older is refused, newer warns.
+@pytest.mark.parametrize("version", ["2.12.0", "2.12.0a0+git1", "2.12.1", "2.13.0+cpu",
                                      "2.13.1+cu126", "2.14.1"])
 def test_supported_versions_pass_silently(version: str) -> None:
     with warnings.catch_warnings():
@@ -121,13 +121,14 @@ def test_supported_versions_pass_silently(version: str) -> None:
         _compat.check_torch_version(version)
 
 
-@pytest.mark.parametrize("version", ["2.10.0", "2.1.3", "1.13.1", "2.9.1+cu128", "", "main"])
+@pytest.mark.parametrize("version", ["2.11.0", "2.10.0", "2.1.3", "1.13.1", "2.9.1+cu128", "",
+                                     "main"])
 def test_older_version_is_refused_naming_both(version: str) -> None:
     with pytest.raises(ImportError) as info:
         _compat.check_torch_version(version)
     message = str(info.value)
     assert f"torch {version} is installed" in message, message
-    assert "supports torch 2.11 to 2.14" in message and "torch>=2.11" in message, message
+    assert "supports torch 2.12 to 2.14" in message and "torch>=2.12" in message, message
 
 
 @pytest.mark.parametrize("version", ["2.15.0", "2.15.0a0+gitabc", "2.130.0", "3.0.0"])
@@ -135,14 +136,14 @@ def test_newer_version_warns_naming_both(version: str) -> None:
     with pytest.warns(UserWarning) as record:
         _compat.check_torch_version(version)
     message = str(record[0].message)
-    assert f"tested with torch 2.11 to 2.14, but torch {version} is installed" in message, (
+    assert f"tested with torch 2.12 to 2.14, but torch {version} is installed" in message, (
         message)
 
 
 def test_import_warns_on_newer_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "__version__", "2.15.0")
     try:
-        with pytest.warns(UserWarning, match=r"2\.11 to 2\.14, but torch 2\.15\.0"):
+        with pytest.warns(UserWarning, match=r"2\.12 to 2\.14, but torch 2\.15\.0"):
             importlib.reload(_compat)
         assert _compat.all_to_all_single is _funcol.all_to_all_single  # the module works
     finally:
@@ -154,7 +155,7 @@ def test_import_of_package_refuses_older_torch() -> None:
     """In a fresh interpreter, `import haloshard` itself fails with the clear message."""
     script = textwrap.dedent("""
         import torch
-        torch.__version__ = "2.10.0"
+        torch.__version__ = "2.11.0"
         try:
             import haloshard
         except ImportError as exc:
@@ -162,7 +163,7 @@ def test_import_of_package_refuses_older_torch() -> None:
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, check=False)
-    assert "refused: haloshard supports torch 2.11 to 2.14, but torch 2.10.0" in done.stdout, (
+    assert "refused: haloshard supports torch 2.12 to 2.14, but torch 2.11.0" in done.stdout, (
         done.stdout + done.stderr[-2000:])
 
 
@@ -214,7 +215,7 @@ def test_renamed_prefers_the_new_name() -> None:
 
 
 def test_compat_binds_predecessors_before_2_13(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A torch without the 2.13 names (2.11, 2.12): `_compat` binds their predecessors."""
+    """A torch without the 2.13 names (2.12): `_compat` binds their predecessors."""
     for name in VERSION_NEW:
         monkeypatch.delattr(_funcol, name, raising=False)  # (absent before 2.13)
     try:
@@ -249,7 +250,7 @@ def test_c10d_predecessors_before_2_13(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.filterwarnings("ignore:.*deprecated:FutureWarning")  # 2.13 warns on the old names
 def test_funcol_predecessors_move_the_same_data(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the functional collectives' older names (what 2.11 and 2.12 have), `_comm`'s
+    """With the functional collectives' older names (what 2.12 has), `_comm`'s
     all-gather, its backward and its reduce-scatter move exactly what the new names move,
     under simulated ranks. A data move: exact."""
     for name in VERSION_NEW:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 # The torch releases (major, minor) this module was written and tested against, oldest and
 # newest: every name below exists in each of them (some under an older spelling, see
 # `renamed`), and `scripts/torch_versions.sh` ran the fast test subset on each.
-SUPPORTED_TORCH = ((2, 11), (2, 14))
+SUPPORTED_TORCH = ((2, 12), (2, 14))
 
 
 def torch_release(version: str) -> tuple[int, int] | None:
@@ -51,9 +51,11 @@ def _name(release: tuple[int, int]) -> str:
 def check_torch_version(version: str) -> None:
     """Refuse a torch older than the supported range; warn about one newer than it.
 
-    Older releases lack private names haloshard needs (it would fail later, or run a changed
-    internal: an error now is clearer). A newer release usually keeps them, so it gets a
-    warning, not an error: the user's training or serving stack chooses their torch.
+    Older releases lack private names haloshard needs or trace it differently under
+    torch.compile (2.11: a compiled exchange's backward differed from eager), and wrong
+    numbers or a later failure are worse than an error now. A newer release usually keeps
+    them, so it gets a warning, not an error: the user's training or serving stack chooses
+    their torch.
 
     Raises:
         ImportError: for a release below `SUPPORTED_TORCH` or a version with no release
@@ -63,7 +65,7 @@ def check_torch_version(version: str) -> None:
         >>> check_torch_version("2.13.0+cpu")
         >>> check_torch_version("2.10.0")
         Traceback (most recent call last):
-        ImportError: haloshard supports torch 2.11 to 2.14, but torch 2.10.0 is installed ...
+        ImportError: haloshard supports torch 2.12 to 2.14, but torch 2.10.0 is installed ...
     """
     oldest, newest = SUPPORTED_TORCH
     supported = f"torch {_name(oldest)} to {_name(newest)}"
@@ -72,7 +74,8 @@ def check_torch_version(version: str) -> None:
         raise ImportError(
             f"haloshard supports {supported}, but torch {version} is installed: haloshard "
             "relies on torch internals (DTensor's op dispatcher, LocalTensorMode, functional "
-            f"collectives) that older releases lack; install torch>={_name(oldest)}")
+            "collectives, their tracing by torch.compile) that older releases lack or run "
+            f"differently; install torch>={_name(oldest)}")
     if release > newest:
         warnings.warn(
             f"haloshard was tested with {supported}, but torch {version} is installed: it "
