@@ -334,7 +334,8 @@ def sent_bytes() -> Iterator[dict[str, int]]:
     peers = dist.get_world_size() - 1
     factor = {"all_to_all_single": lambda t: t, "all_gather_single": lambda t: t * peers,
               "all_gather_into_tensor": lambda t: t * peers, "all_reduce": lambda t: 2 * t}
-    saved = {name: getattr(dist, name) for name in factor}
+    # torch before 2.13 has no `all_gather_single` (haloshard calls `all_gather_into_tensor`)
+    saved = {name: getattr(dist, name) for name in factor if hasattr(dist, name)}
 
     def counting(name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -343,7 +344,7 @@ def sent_bytes() -> Iterator[dict[str, int]]:
             return saved[name](*args, **kwargs)
         return call
 
-    for name in factor:
+    for name in saved:
         setattr(dist, name, counting(name))
     try:
         yield out

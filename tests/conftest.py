@@ -1,4 +1,5 @@
-"""Shared fixtures: gloo worlds started once per session and reused by every test."""
+"""Shared fixtures (gloo worlds started once per session, reused by every test) and the
+`requires_torch` marker."""
 
 from __future__ import annotations
 
@@ -8,12 +9,27 @@ from collections.abc import Callable, Iterator
 import pytest
 from hypothesis import settings
 
+from haloshard._compat import torch_before
 from haloshard.testing import GlooWorld
 
 # CI draws the same examples every run (a red CI is then reproducible); a developer's run
 # explores new ones each time.
 settings.register_profile("ci", derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "requires_torch(version, reason): skip on a torch release older than "
+        "version, for a limit of torch's own that the reason names")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """`@pytest.mark.requires_torch("2.13", reason=...)`: torch's limit, not haloshard's."""
+    for mark in item.iter_markers("requires_torch"):
+        version, reason = mark.args[0], mark.kwargs["reason"]
+        if torch_before(version):
+            pytest.skip(f"needs torch>={version}: {reason}")
 
 
 @pytest.fixture(scope="session")

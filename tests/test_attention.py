@@ -24,6 +24,10 @@ from haloshard.testing import (
 )
 
 TOL = {"atol": 1e-12, "rtol": 1e-12}
+# torch's limit, not haloshard's: LocalTensorMode before 2.13 cannot matmul LocalTensors
+# whose ranks hold different lengths (uneven chunks; "Unable to cast ... torch.SymInt").
+UNEVEN_MATMUL = ("LocalTensorMode cannot matmul simulated ranks of uneven lengths before "
+                 "torch 2.13 (RuntimeError: Unable to cast torch.SymInt)")
 
 
 def case_attention(mesh: DeviceMesh, length: int) -> None:
@@ -60,6 +64,7 @@ def test_gloo(gloo, world: int) -> None:
 
 
 @pytest.mark.simulated
+@pytest.mark.requires_torch("2.13", reason=UNEVEN_MATMUL)
 @pytest.mark.parametrize("length", [5, 7])  # 4 ranks: (2, 2, 1, 0) and (2, 2, 2, 1)
 def test_simulated(length: int) -> None:
     with simulated_mesh(4) as mesh:

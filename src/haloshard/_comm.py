@@ -34,6 +34,8 @@ from haloshard._compat import (
     all_reduce,
     all_to_all_single,
     assert_async,
+    dist_all_gather_single,
+    dist_reduce_scatter_single,
     enabled_local_tensor_mode,
     maybe_run_for_local_tensor,
     reduce_scatter_single,
@@ -348,7 +350,7 @@ def gather_ints(values: torch.Tensor, group: Group, what: str = "halo metadata e
     def run() -> list[int]:
         if is_eager(row):
             out = row.new_empty(group.size * width)
-            dist.all_gather_single(out, row, group=group.pg)
+            dist_all_gather_single(out, row, group=group.pg)
             return out.tolist()
         return all_gather_single(row, 0, group.funcol_group).tolist()
 
@@ -398,7 +400,7 @@ def all_gather(buf: torch.Tensor, group: Group, what: str = "all-gather") -> tor
         return all_gather_single(buf, 0, group.funcol_group)
     buf = buf.contiguous()
     out = buf.new_empty((group.size * buf.shape[0], *buf.shape[1:]))
-    work = dist.all_gather_single(out, buf, group=group.pg, async_op=True)
+    work = dist_all_gather_single(out, buf, group=group.pg, async_op=True)
     waited(what, work.wait)
     return out
 
@@ -410,7 +412,7 @@ def reduce_scatter(buf: torch.Tensor, group: Group, what: str = "reduce-scatter"
         return reduce_scatter_single(buf, "sum", 0, group.funcol_group)
     buf = buf.contiguous()
     out = buf.new_empty((buf.shape[0] // group.size, *buf.shape[1:]))
-    work = dist.reduce_scatter_single(out, buf, group=group.pg, async_op=True)
+    work = dist_reduce_scatter_single(out, buf, group=group.pg, async_op=True)
     waited(what, work.wait)
     return out
 

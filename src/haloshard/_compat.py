@@ -1,11 +1,13 @@
-"""Every private torch name haloshard touches, in one place, for one torch release.
+"""Every private or version-new torch name haloshard touches, in one place.
 
 haloshard extends DTensor where torch offers no public hook (custom op handlers, the
 sharding-propagation slow path), simulates ranks with `LocalTensorMode`, and moves halos
 with functional collectives; all of these live in torch's private modules and change between
 releases. This module checks the installed torch at import, then imports each private name
-once and gives it a stable local name; every other module imports it from here. Moving to a
-new torch release means editing this file (and `SUPPORTED_TORCH`), nowhere else.
+once and gives it a stable local name; every other module imports it from here. A name that
+torch renamed inside the supported range is bound to whichever spelling the installed release
+has. Moving to a new torch release means editing this file (and `SUPPORTED_TORCH`), nowhere
+else.
 
 Importing it changes nothing in torch: it only reads names (the `fake` backend, which
 registers itself on import, is imported by `fake_store()` when called).
@@ -16,35 +18,83 @@ registers itself on import, is imported by `fake_store()` when called).
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-# The torch release (major.minor) whose private names this module was written against.
-SUPPORTED_TORCH = "2.13"
+# The torch releases (major, minor) this module was written and tested against, oldest and
+# newest: every name below exists in each of them (some under an older spelling, see
+# `renamed`), and `scripts/torch_versions.sh` ran the fast test subset on each.
+SUPPORTED_TORCH = ((2, 12), (2, 14))
+
+
+def torch_release(version: str) -> tuple[int, int] | None:
+    """The (major, minor) of a torch version string (any patch, local build tag or
+    pre-release), or None if it has none.
+
+    Example::
+        >>> torch_release("2.13.0+cpu"), torch_release("2.15.0a0+git1"), torch_release("x")
+        ((2, 13), (2, 15), None)
+    """
+    found = re.match(r"(\d+)\.(\d+)(?!\d)", str(version))
+    return None if found is None else (int(found[1]), int(found[2]))
+
+
+def _name(release: tuple[int, int]) -> str:
+    return f"{release[0]}.{release[1]}"
 
 
 def check_torch_version(version: str) -> None:
-    """Raise `ImportError` unless `version` is a release of `SUPPORTED_TORCH` (any patch,
-    local build tag or pre-release of it).
+    """Refuse a torch older than the supported range; warn about one newer than it.
+
+    Older releases lack private names haloshard needs or trace it differently under
+    torch.compile (2.11: a compiled exchange's backward differed from eager), and wrong
+    numbers or a later failure are worse than an error now. A newer release usually keeps
+    them, so it gets a warning, not an error: the user's training or serving stack chooses
+    their torch.
 
     Raises:
-        ImportError: naming the installed version and the supported one.
+        ImportError: for a release below `SUPPORTED_TORCH` or a version with no release
+            number, naming the installed version and the supported range.
 
     Example::
         >>> check_torch_version("2.13.0+cpu")
-        >>> check_torch_version("2.14.0")
+        >>> check_torch_version("2.10.0")
         Traceback (most recent call last):
-        ImportError: haloshard supports torch 2.13.x, but torch 2.14.0 is installed: ...
+        ImportError: haloshard supports torch 2.12 to 2.14, but torch 2.10.0 is installed ...
     """
-    found = re.match(r"(\d+)\.(\d+)(?!\d)", str(version))
-    if found is None or f"{found[1]}.{found[2]}" != SUPPORTED_TORCH:
+    oldest, newest = SUPPORTED_TORCH
+    supported = f"torch {_name(oldest)} to {_name(newest)}"
+    release = torch_release(version)
+    if release is None or release < oldest:
         raise ImportError(
-            f"haloshard supports torch {SUPPORTED_TORCH}.x, but torch {version} is installed: "
-            "haloshard relies on torch internals (DTensor's op dispatcher, LocalTensorMode, "
-            f"functional collectives) that change between releases; install "
-            f"torch=={SUPPORTED_TORCH}.*")
+            f"haloshard supports {supported}, but torch {version} is installed: haloshard "
+            "relies on torch internals (DTensor's op dispatcher, LocalTensorMode, functional "
+            "collectives, their tracing by torch.compile) that older releases lack or run "
+            f"differently; install torch>={_name(oldest)}")
+    if release > newest:
+        warnings.warn(
+            f"haloshard was tested with {supported}, but torch {version} is installed: it "
+            "relies on torch internals that may have changed; run "
+            "scripts/torch_versions.sh on this release to check", UserWarning, stacklevel=2)
+
+
+def torch_before(version: str) -> bool:
+    """Whether the installed torch is a release older than `version` ("2.13"): for tests that
+    hit a limit of torch's own in older releases (`tests/conftest.py`'s `requires_torch`)."""
+    installed, wanted = torch_release(torch.__version__), torch_release(version)
+    assert wanted is not None, f"not a torch release: {version!r}"
+    return installed is not None and installed < wanted
+
+
+def renamed(module: ModuleType, new: str, old: str) -> Any:
+    """`module.new` where this torch has it, else `module.old` (a predecessor with the same
+    signature, from the releases before the rename)."""
+    return getattr(module, new) if hasattr(module, new) else getattr(module, old)
 
 
 check_torch_version(torch.__version__)
@@ -95,12 +145,43 @@ OpOverload = torch._ops.OpOverload
 assert_async = torch._assert_async
 
 # Functional collectives: what torch.compile and LocalTensorMode understand (`_comm` only).
+# torch 2.13 renamed three (`*_tensor` -> `*_single`, same signatures) and made the old names
+# warn; before 2.13 only the old ones exist.
 all_to_all_single = _funcol.all_to_all_single
-all_gather_single = _funcol.all_gather_single
-all_gather_single_autograd = _funcol.all_gather_single_autograd
-reduce_scatter_single = _funcol.reduce_scatter_single
+all_gather_single = renamed(_funcol, "all_gather_single", "all_gather_tensor")
+all_gather_single_autograd = renamed(
+    _funcol, "all_gather_single_autograd", "all_gather_tensor_autograd")
+reduce_scatter_single = renamed(_funcol, "reduce_scatter_single", "reduce_scatter_tensor")
 all_reduce = _funcol.all_reduce
 wait_tensor = _funcol.wait_tensor
+
+# c10d's eager collectives into one flat tensor, by their 2.13 names, were named
+# `all_gather_into_tensor` and `reduce_scatter_tensor` (same signatures) before 2.13.
+C10D_RENAMED = {"all_gather_single": "all_gather_into_tensor",
+                "reduce_scatter_single": "reduce_scatter_tensor"}
+
+
+def c10d_name(name: str) -> str:
+    """The attribute of `torch.distributed` that holds c10d's `name` (its 2.13 name) in the
+    installed torch."""
+    return name if hasattr(dist, name) else C10D_RENAMED.get(name, name)
+
+
+# `_comm`'s eager calls look the function up on `torch.distributed` at each call, as a plain
+# `dist.<name>(...)` would, so that a wrapper installed there (`counted_collectives`) sees them.
+def dist_all_gather_single(output: torch.Tensor, input: torch.Tensor, *, group: Any = None,
+                           async_op: bool = False) -> Any:
+    """c10d's `all_gather_single`: every rank's `input`, in rank order, into `output`."""
+    fn = getattr(dist, c10d_name("all_gather_single"))
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def dist_reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, *, group: Any = None,
+                               async_op: bool = False) -> Any:
+    """c10d's `reduce_scatter_single`: the sum over ranks of `input`, rank r's block of it
+    into `output`."""
+    fn = getattr(dist, c10d_name("reduce_scatter_single"))
+    return fn(output, input, group=group, async_op=async_op)
 
 # Pytrees: the arguments of an op that a torch function mode sees (ReplicatedArgsParallel).
 tree_flatten = _pytree.tree_flatten

@@ -118,7 +118,9 @@ SCALAR_DEPENDENT: frozenset[OpOverload] = frozenset({
     aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor, aten.div.Tensor, aten.div.Scalar,
     aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.leaky_relu.default,
 })
-# Ops whose torch propagation already keeps a HaloShard right (no data change, same layout).
+# Ops that change no element, shape, stride or dtype: the output has the input's spec. The
+# guard answers for them itself: torch's own rule kept a HaloShard through 2.13, but 2.14's
+# asks to redistribute an unknown placement to Replicate (which then raises).
 KEEP: frozenset[OpOverload] = frozenset({aten.detach.default, aten.alias.default})
 # torch's backward nodes of multi-output views that fill an unused output's gradient with
 # plain zeros before a cat (split) or stack (unbind).
@@ -299,8 +301,11 @@ def _guard(previous: Callable[..., object]) -> Callable[..., object]:
     def propagate(op_call: OpOverload, args: tuple[object, ...],
                   kwargs: dict[str, object], op_info: Any, try_cache: bool) -> object:
         spec = _halo_spec(op_info.schema) if op_info.schema is not None else None
-        if spec is None or op_call in KEEP:
+        if spec is None:
             return previous(op_call, args, kwargs, op_info, try_cache)
+        if op_call in KEEP:
+            return OutputSharding(DTensorSpec(spec.mesh, spec.placements,
+                                              tensor_meta=spec.tensor_meta))
         if op_call in POINTWISE:
             return _pointwise(op_call, op_info.schema, spec)
         raise unsupported(op_call, spec.placements)

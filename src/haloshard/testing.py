@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from haloshard._compat import (
     LocalTensor,
     LocalTensorMode,
+    c10d_name,
     fake_store,
     local_tensors,
     maybe_disable_local_tensor_mode,
@@ -284,7 +285,11 @@ def counted_collectives(*, by_dtype: bool = False) -> Iterator[collections.Count
         dict(calls)  # {'all_to_all_single': 3}
     """
     calls: collections.Counter[str] = collections.Counter()
-    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+    # Before torch 2.13 two of them have older names: counted under the new ones.
+    labels: dict[str, str] = {}
+    for name in _COLLECTIVES:
+        labels.setdefault(c10d_name(name), name)
+    saved = {attr: getattr(dist, attr) for attr in labels}
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -293,13 +298,13 @@ def counted_collectives(*, by_dtype: bool = False) -> Iterator[collections.Count
             return fn(*args, **kwargs)
         return call
 
-    for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
+    for attr, fn in saved.items():
+        setattr(dist, attr, wrap(labels[attr], fn))
     try:
         yield calls
     finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+        for attr, fn in saved.items():
+            setattr(dist, attr, fn)
 
 
 def per_rank(tensor: torch.Tensor) -> dict[int, torch.Tensor]:
