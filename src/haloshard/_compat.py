@@ -100,6 +100,7 @@ all_gather_single = _funcol.all_gather_single
 all_gather_single_autograd = _funcol.all_gather_single_autograd
 reduce_scatter_single = _funcol.reduce_scatter_single
 all_reduce = _funcol.all_reduce
+functional_broadcast = _funcol.broadcast
 wait_tensor = _funcol.wait_tensor
 
 # Pytrees: the arguments of an op that a torch function mode sees (ReplicatedArgsParallel).

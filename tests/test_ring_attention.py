@@ -1,0 +1,130 @@
+"""Inference attention over K/V one source rank's block at a time (`blocks_many`, online
+softmax) against `scaled_dot_product_attention` over all T*S tokens on one device, under
+`torch.no_grad()`: `frame_attention` directly, HunyuanVideo's mid-block and Mochi's block.
+
+Float64 at 1e-10: the same sums (a softmax over T*S keys) merged block by block in another
+order; a key from a wrong frame, or a block counted twice or not at all, changes the output
+by O(0.1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from haloshard import HaloError, frame_attention
+from haloshard.testing import (
+    assert_close_per_rank,
+    counted_collectives,
+    rank_map,
+    seeded_randn,
+    shard,
+    simulated_mesh,
+    single_device,
+    worker_mesh,
+)
+
+TOL = {"atol": 1e-10, "rtol": 1e-10}
+# A mistake on one rank raises on every rank at once: well under a second of work, 5 s with
+# margin for a loaded 2-core machine (the process group's timeout is 60 s).
+AT_ONCE_S = 5.0
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+              ) -> torch.Tensor:
+    """The attention output over every T*S token on one device (dense block-causal mask)."""
+    *batch, t, s, e = q.shape
+    flat = [x.reshape(*batch, t * s, e) for x in (q, k, v)]
+    frames = torch.arange(t).repeat_interleave(s)
+    mask = frames[None, :] <= frames[:, None] if causal else None
+    return F.scaled_dot_product_attention(*flat, attn_mask=mask).reshape(q.shape)
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("frames", "world"), [(5, 2), (5, 3), (3, 4), (1, 2)])  # empty
+@pytest.mark.parametrize("causal", [True, False])
+def test_frame_attention_blocks(frames: int, world: int, causal: bool) -> None:
+    q, k, v = (seeded_randn((1, 2, frames, 4, 3), seed) for seed in range(3))
+    with single_device():
+        out = reference(q, k, v, causal)
+    with simulated_mesh(world) as mesh, torch.no_grad():
+        local = [rank_map(mesh, lambda r, x=x: shard(x, 2, world, r).clone())
+                 for x in (q, k, v)]
+        y = frame_attention(*local, mesh, global_length=frames, causal=causal)
+        assert_close_per_rank(y, lambda r: shard(out, 2, world, r), mesh, **TOL)
+
+
+def test_frame_attention_blocks_gathers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under no_grad K and V never travel whole: the gathered path is not taken."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("K/V all-gathered under no_grad")
+
+    monkeypatch.setattr("haloshard._masked_attention.gather_many", refuse)
+    q = seeded_randn((1, 2, 5, 4, 3), 0)
+    with simulated_mesh(2) as mesh, torch.no_grad():
+        local = rank_map(mesh, lambda r: shard(q, 2, 2, r).clone())
+        frame_attention(local, local, local, mesh, global_length=5)
+
+
+def _outcome(fn: Callable[[], object]) -> tuple[str, float]:
+    start = time.perf_counter()
+    try:
+        fn()
+    except HaloError as exc:
+        return f"HaloError: {exc}", time.perf_counter() - start
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", time.perf_counter() - start
+    return "ok", time.perf_counter() - start
+
+
+def blocks_steady_state(frames: int, causal: bool, case: str) -> dict[str, Any]:
+    """Three no_grad calls with a style's agreements (`_reuse`): the first agrees, the
+    second runs on broadcasts alone, the third has rank 1 change per `case`."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = worker_mesh(world)
+    q, k, v = (seeded_randn((1, 2, frames, 4, 3), seed) for seed in range(3))
+    with single_device():
+        out = reference(q, k, v, causal)
+    store: dict[Any, Any] = {}
+    counts, errors = [], []
+    for _ in range(2):
+        local = [shard(x, 2, world, rank).clone() for x in (q, k, v)]
+        with torch.no_grad(), counted_collectives(by_dtype=True) as calls:
+            y = frame_attention(*local, mesh, global_length=frames, causal=causal,
+                                _reuse=(store, "signature"))
+        counts.append(dict(calls))
+        errors.append((y - shard(out, 2, world, rank)).abs().max().item() if y.numel() else 0)
+    local = [shard(x, 2, world, rank).clone() for x in (q, k, v)]
+    grad = case == "grad" and rank == 1  # peers run blocks, rank 1 the gathered path
+    if case == "frames" and rank == 1:  # one frame short of its split
+        local = [x.narrow(2, 0, max(x.shape[2] - 1, 0)) for x in local]
+
+    def third() -> None:
+        with torch.set_grad_enabled(grad):
+            frame_attention(*local, mesh, global_length=frames, causal=causal,
+                            _reuse=(store, "signature"))
+
+    return {"counts": counts, "errors": errors, "outcome": _outcome(third)}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(("world", "frames", "causal", "case"),
+                         [(2, 5, True, "frames"), (2, 5, False, "grad"),
+                          (3, 2, True, "grad"), (3, 7, False, "frames")])  # 2 on 3: empty
+def test_frame_attention_blocks_gloo(gloo: Callable[[int], Any], world: int, frames: int,
+                                     causal: bool, case: str) -> None:
+    got = gloo(world).run(blocks_steady_state, frames, causal, case, timeout=120)
+    for rank, result in enumerate(got):
+        first, later = result["counts"]
+        assert first == {"all_gather_single (metadata)": 1, "broadcast": world}, first
+        assert later == {"broadcast": world}, later  # one block per source, no metadata
+        assert max(result["errors"]) <= 1e-10, result
+        message, seconds = result["outcome"]
+        assert message.startswith("HaloError"), (rank, message)
+        assert seconds < AT_ONCE_S, (rank, seconds)
