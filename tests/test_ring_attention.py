@@ -17,8 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import parallelize_module
 
 from haloshard import HaloError, frame_attention
+from haloshard.integrations.diffusers import plan_for
 from haloshard.testing import (
     assert_close_per_rank,
     counted_collectives,
@@ -128,3 +132,91 @@ def test_frame_attention_blocks_gloo(gloo: Callable[[int], Any], world: int, fra
         message, seconds = result["outcome"]
         assert message.startswith("HaloError"), (rank, message)
         assert seconds < AT_ONCE_S, (rank, seconds)
+
+
+def hunyuan() -> nn.Module:
+    """tests/test_diffusers.py's tiny HunyuanVideo VAE (float64)."""
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    with single_device():
+        torch.manual_seed(0)
+        vae = AutoencoderKLHunyuanVideo(
+            in_channels=3, out_channels=3, latent_channels=4,
+            down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+            block_out_channels=(8, 8, 8), layers_per_block=1, norm_num_groups=2,
+            spatial_compression_ratio=4, temporal_compression_ratio=4)
+        return vae.double().eval()
+
+
+def mochi() -> nn.Module:
+    """tests/test_diffusers.py's tiny Mochi VAE (float64; attention needs 32 channels)."""
+    from diffusers import AutoencoderKLMochi
+
+    with single_device():
+        torch.manual_seed(0)
+        vae = AutoencoderKLMochi(
+            encoder_block_out_channels=(32,) * 4, decoder_block_out_channels=(32,) * 4,
+            latent_channels=4, layers_per_block=(1,) * 5)
+        return vae.double().eval()
+
+
+# model: (factory, encoder input shape, decoder input shape), as in tests/test_diffusers.py
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], tuple[int, ...]]] = {
+    "hunyuan": (hunyuan, (1, 3, 9, 8, 8), (1, 4, 3, 2, 2)),
+    "mochi": (mochi, (1, 3, 7, 16, 16), (1, 4, 3, 2, 2)),
+}
+
+
+def _sharded_forward(name: str, part: str, mesh: Any, world: int) -> tuple[Any, Any]:
+    """`part` of the tiny diffusers model `name` on one device and T-sharded, under no_grad:
+    (reference output, this rank's output: a DTensor's local tensor)."""
+    factory, enc_shape, dec_shape = MODELS[name]
+    module = getattr(factory(), part)
+    full = seeded_randn(enc_shape if part == "encoder" else dec_shape, 1)
+    first = (lambda out: out[0]) if name == "mochi" else (lambda out: out)
+    with torch.no_grad():
+        with single_device():
+            ref = first(module(full))
+        parallelize_module(module, mesh, plan_for(module))
+        local = rank_map(mesh, lambda r: shard(full, 2, world, r).clone())
+        x = DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=full.shape,
+                               stride=full.stride())
+        return ref, first(module(x)).to_local()
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("name", "part", "world"), [
+    ("hunyuan", "encoder", 2),  # mid-block at 3 frames: 2, 1
+    ("hunyuan", "decoder", 4),  # 1, 1, 1, 0
+    ("mochi", "encoder", 3),  # causal attention along T at 2, 2, 0 and 1, 1, 0 frames
+    ("mochi", "decoder", 2),
+])
+def test_diffusers_blocks_simulated(monkeypatch: pytest.MonkeyPatch, name: str, part: str,
+                                    world: int) -> None:
+    """HunyuanVideo's mid-block and Mochi's blocks attend block by block under no_grad."""
+    pytest.importorskip("diffusers")
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("K/V all-gathered under no_grad")
+
+    monkeypatch.setattr("haloshard._masked_attention.gather_many", refuse)
+    with simulated_mesh(world) as mesh:
+        ref, y = _sharded_forward(name, part, mesh, world)
+        assert_close_per_rank(y, lambda r: shard(ref, 2, world, r), mesh, **TOL)
+
+
+def diffusers_blocks_on_gloo(name: str, part: str) -> dict[str, Any]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    with counted_collectives(by_dtype=True) as calls:
+        ref, y = _sharded_forward(name, part, worker_mesh(world), world)
+    error = (y - shard(ref, 2, world, rank)).abs().max().item() if y.numel() else 0.0
+    return {"error": error, "calls": dict(calls)}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(("name", "part"), [("hunyuan", "decoder"), ("mochi", "encoder")])
+def test_diffusers_blocks_gloo(gloo: Callable[[int], Any], name: str, part: str) -> None:
+    for got in gloo(2).run(diffusers_blocks_on_gloo, name, part, timeout=300):
+        assert got["error"] <= 1e-10, got
+        assert got["calls"].get("broadcast", 0) > 0, got  # the block path ran
