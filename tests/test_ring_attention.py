@@ -64,6 +64,25 @@ def test_frame_attention_blocks(frames: int, world: int, causal: bool) -> None:
         assert_close_per_rank(y, lambda r: shard(out, 2, world, r), mesh, **TOL)
 
 
+@pytest.mark.simulated
+def test_frame_attention_blocks_query_gradient() -> None:
+    """With grad enabled but K and V frozen, the blocks path still runs and its output is
+    differentiable in q (K/V blocks are constants there): exact against one device."""
+    q, k, v = (seeded_randn((1, 2, 5, 4, 3), seed) for seed in range(3))
+    with single_device():
+        leaf = q.clone().requires_grad_()
+        reference(leaf, k, v, True).sum().backward()
+    with simulated_mesh(3) as mesh:
+        local_q = rank_map(mesh, lambda r: shard(q, 2, 3, r).clone()).requires_grad_()
+        local_k, local_v = (rank_map(mesh, lambda r, x=x: shard(x, 2, 3, r).clone())
+                            for x in (k, v))
+        y = frame_attention(local_q, local_k, local_v, mesh, global_length=5)
+        assert_close_per_rank(y, lambda r: shard(reference(q, k, v, True), 2, 3, r), mesh,
+                              **TOL)
+        y.sum().backward()
+        assert_close_per_rank(local_q.grad, lambda r: shard(leaf.grad, 2, 3, r), mesh, **TOL)
+
+
 def test_frame_attention_blocks_gathers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under no_grad K and V never travel whole: the gathered path is not taken."""
     def refuse(*args: object, **kwargs: object) -> None:
@@ -105,16 +124,22 @@ def blocks_steady_state(frames: int, causal: bool, case: str) -> dict[str, Any]:
         counts.append(dict(calls))
         errors.append((y - shard(out, 2, world, rank)).abs().max().item() if y.numel() else 0)
     local = [shard(x, 2, world, rank).clone() for x in (q, k, v)]
-    grad = case == "grad" and rank == 1  # peers run blocks, rank 1 the gathered path
+    if case == "grad" and rank == 1:  # peers run blocks, rank 1 the gathered path
+        local = [x.requires_grad_() for x in local]
     if case == "frames" and rank == 1:  # one frame short of its split
         local = [x.narrow(2, 0, max(x.shape[2] - 1, 0)) for x in local]
 
     def third() -> None:
-        with torch.set_grad_enabled(grad):
+        with torch.enable_grad():
             frame_attention(*local, mesh, global_length=frames, causal=causal,
                             _reuse=(store, "signature"))
 
-    return {"counts": counts, "errors": errors, "outcome": _outcome(third)}
+    def fresh() -> None:  # no agreement yet: the metadata row compares requires_grad
+        with torch.enable_grad():
+            frame_attention(*local, mesh, global_length=frames, causal=causal, _reuse=({}, 0))
+
+    return {"counts": counts, "errors": errors, "outcome": _outcome(third),
+            "fresh": _outcome(fresh) if case == "grad" else ("HaloError", 0.0)}
 
 
 @pytest.mark.gloo
@@ -130,6 +155,9 @@ def test_frame_attention_blocks_gloo(gloo: Callable[[int], Any], world: int, fra
         assert later == {"broadcast": world}, later  # one block per source, no metadata
         assert max(result["errors"]) <= 1e-10, result
         message, seconds = result["outcome"]
+        assert message.startswith("HaloError"), (rank, message)
+        assert seconds < AT_ONCE_S, (rank, seconds)
+        message, seconds = result["fresh"]
         assert message.startswith("HaloError"), (rank, message)
         assert seconds < AT_ONCE_S, (rank, seconds)
 

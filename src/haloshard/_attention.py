@@ -9,6 +9,7 @@ of dK and dV, so gradients are exact too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -293,8 +294,8 @@ def _blocks(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
     status when not None) in turn; yield them as `blocks_many` does."""
     fronts, moved, names = _fronts(tensors, dim)
     widths = [f.shape[-1] for f in fronts]
-    front = torch.cat(fronts, -1) if len(fronts) > 1 else fronts[0]
-    own = _block_buffer(front, max(shard_sizes(global_length, grp.size)) * frame, status)
+    own = _block_buffer(fronts, max(shard_sizes(global_length, grp.size)) * frame, status)
+    row = (*fronts[0].shape[1:-1], sum(widths))
     flags = []
     for src in range(grp.size):
         buf = _comm.broadcast(_source_buffer(own, grp.rank, src), src, grp,
@@ -302,7 +303,7 @@ def _blocks(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
         if status is not None:
             flags.append(buf[-1:])
             buf = buf[:-1]
-        block = buf.view(-1, *front.shape[1:])
+        block = buf.view(-1, *row)
         yield src, tuple(rearrange(p, f"{moved} -> {' '.join(names)}")
                          for p in block.split(widths, -1))
     if status is not None:
@@ -310,13 +311,27 @@ def _blocks(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
                           "those")
 
 
-def _block_buffer(front: torch.Tensor, chunk: int, status: int | None) -> torch.Tensor:
-    """`front` padded along dim 0 to `chunk` rows, flat, then one status element."""
-    pieces = [front.reshape(-1),
-              front.new_zeros((chunk - front.shape[0], *front.shape[1:])).reshape(-1)]
+def _block_buffer(fronts: list[torch.Tensor], chunk: int, status: int | None
+                  ) -> torch.Tensor:
+    """`fronts` side by side along their last dim, padded along dim 0 to `chunk` rows,
+    flat, then one status element. Eager: each written once into one buffer (no cat of a
+    cat: one block of K/V in memory, not two)."""
+    if not _comm.is_eager(fronts[0]):  # simulated ranks: per-rank lengths, as `_gather_front`
+        front = torch.cat(fronts, -1) if len(fronts) > 1 else fronts[0]
+        pieces = [front.reshape(-1),
+                  front.new_zeros((chunk - front.shape[0], *front.shape[1:])).reshape(-1)]
+        if status is not None:
+            pieces.append(front.new_full((1,), status))
+        return torch.cat(pieces)
+    shape = (chunk, *fronts[0].shape[1:-1], sum(f.shape[-1] for f in fronts))
+    flat = fronts[0].new_zeros(math.prod(shape) + (status is not None))  # zeros: padding
+    block, at = flat.narrow(0, 0, math.prod(shape)).view(shape), 0
+    for f in fronts:
+        block.narrow(0, 0, f.shape[0]).narrow(-1, at, f.shape[-1]).copy_(f)
+        at += f.shape[-1]
     if status is not None:
-        pieces.append(front.new_full((1,), status))
-    return torch.cat(pieces)
+        flat[-1] = status
+    return flat
 
 
 def _source_buffer(own: torch.Tensor, rank: int | torch.SymInt, src: int) -> torch.Tensor:
@@ -373,8 +388,8 @@ def _placeholder_blocks(grp: _comm.Group, global_length: int, frame: int,
     """`_placeholder_gather` for peers running `_blocks`: join each broadcast with a zero
     block and `status`; every rank's status."""
     chunk = max(shard_sizes(global_length, grp.size)) * frame
-    front = torch.zeros((chunk, *buffer), dtype=dtype, device=device)
-    own = _block_buffer(front, chunk, status)
+    own = _block_buffer([torch.zeros((chunk, *buffer), dtype=dtype, device=device)], chunk,
+                        status)
     return [int(_comm.broadcast(_source_buffer(own, grp.rank, src), src, grp,
                                 "broadcast of one rank's block along the dim")[-1].item())
             for src in range(grp.size)]

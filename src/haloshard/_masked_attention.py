@@ -91,7 +91,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike,
             length: int, causal: bool, scale: float | None, padded: bool,
             reuse: Reuse | None) -> torch.Tensor:
     """Queries `(..., rows, S, E)` (padded: the longest chunk) over the gathered k, v."""
-    if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    # No gradient of K or V wanted (under no_grad, or frozen): blocks. Decided by what the
+    # agreement compares (requires_grad of k and v), never by a rank's own grad mode, so
+    # every rank picks the same collectives.
+    if not (k.requires_grad or v.requires_grad) and not torch.compiler.is_compiling():
         return _attend_blocks(q, k, v, group, grp, length, causal, scale, padded, reuse)
     k_all, v_all = gather_many((k, v), k.ndim - 3, group, global_length=length, reuse=reuse)
     s = scale if scale is not None else q.shape[-1] ** -0.5
@@ -134,8 +137,8 @@ def _attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
         scores = (queries @ k_b.flatten(-3, -2).transpose(-2, -1)).to(dtype) * s
         hidden = _hidden(grp.rank, src, length, grp.size, per_frame, padded, causal,
                          q.device)
-        state = _merge(state, scores.masked_fill_(hidden, float("-inf")),
-                       v_b.flatten(-3, -2).to(dtype))
+        fill = scores.masked_fill if scores.requires_grad else scores.masked_fill_
+        state = _merge(state, fill(hidden, float("-inf")), v_b.flatten(-3, -2).to(dtype))
     _, total, out = state
     out = (out / total).to(q.dtype)
     return out.unflatten(-2, (per_frame, rows)).transpose(-3, -2)
@@ -174,7 +177,8 @@ def _merge(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scores: torch
     new_top = torch.maximum(top, scores.amax(-1, keepdim=True))
     # a row that has seen no key yet keeps the max -inf: shift it by 0, not by -inf (NaN)
     shift = new_top.masked_fill(new_top == float("-inf"), 0)
-    weights = scores.sub_(shift).exp_()
-    rescale = (top - shift).exp_()
+    # in place (one block of scores, not two) unless autograd needs them (q's gradient)
+    weights = torch.exp(scores - shift) if scores.requires_grad else scores.sub_(shift).exp_()
+    rescale = torch.exp(top - shift)
     return new_top, total * rescale + weights.sum(-1, keepdim=True), \
         out * rescale + weights @ values
