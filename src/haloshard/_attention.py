@@ -4,7 +4,9 @@ A VAE mid-block attends over every frame, so halos are not enough: each rank nee
 and values. All-gathering K and V over the `cp` axis is exact and simple; it costs
 `2 * (P - 1) / P` of the global K/V bytes on the wire and the full K and V in memory on every
 rank (the queries, the scores and the output stay sharded). Its backward is a reduce-scatter
-of dK and dV, so gradients are exact too.
+of dK and dV, so gradients are exact too. For inference, `blocks_many` brings the same
+chunks one source rank at a time (a broadcast each, agreed the same way), so attention can
+fold them in without the full K and V (`haloshard._masked_attention`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ causal mask (Mochi). Built on one device, that mask is a dense `(T*H*W)^2` tenso
 stacks have run out of memory building it. Here each rank builds only its queries' part,
 `(T_r, T)` frame indices, compared by broadcasting: no `(N_r, N)` tensor of booleans is ever
 materialised apart from the scores themselves. Keys and values are all-gathered along T
-(one `gather_many` for both); the backward reduce-scatters their gradients.
+(one `gather_many` for both); the backward reduce-scatters their gradients. When no gradient
+of K or V is wanted (inference), they come one source rank's block at a time instead
+(`blocks_many`) and the softmax is merged block by block (a running max and sum): a rank
+holds two blocks of K/V and one block's scores, never the whole T.
 
 Tokens stay in `(..., T_r, S, E)` form (S tokens per frame) throughout: flattening a
 per-rank T_r into tokens is a reshape that `LocalTensorMode` cannot run, and keeping the
@@ -47,6 +50,10 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gr
     Forward: q, k, v `(..., T_r, S, E)` -> `(..., T_r, S, E)`, keys and values all-gathered
     along T; with `causal`, a query of global frame t attends to the tokens of frames <= t
     only (block-causal over `T*S` tokens). Backward: exact; dK and dV are reduce-scattered.
+    When neither k nor v requires grad (e.g. under `torch.no_grad()`), K/V are not gathered:
+    each rank's block is broadcast in turn and merged by online softmax (exact up to the
+    order of the sums; blocks wholly in a query's future are skipped), so no rank holds more
+    than two blocks; the output is still differentiable in q.
 
     Args:
         q, k, v: this rank's `Shard(T)` chunk, frames at dim -3, S tokens per frame at -2.
