@@ -193,6 +193,9 @@ _SENT: dict[str, Callable[[dict[str, Any]], float]] = {
                              / _ring(a.get("group"))),
     "batch_isend_irecv": lambda a: sum(_nbytes(op.tensor) for op in a["p2p_op_list"]
                                        if op.op is dist.isend),
+    # the source hands its block to every peer (attention's K/V blocks under no_grad)
+    "broadcast": lambda a: (_nbytes(a["tensor"]) * (_ring(a.get("group")) - 1)
+                            if a["src"] == dist.get_rank() else 0),
 }
 
 

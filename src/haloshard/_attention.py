@@ -4,11 +4,15 @@ A VAE mid-block attends over every frame, so halos are not enough: each rank nee
 and values. All-gathering K and V over the `cp` axis is exact and simple; it costs
 `2 * (P - 1) / P` of the global K/V bytes on the wire and the full K and V in memory on every
 rank (the queries, the scores and the output stay sharded). Its backward is a reduce-scatter
-of dK and dV, so gradients are exact too.
+of dK and dV, so gradients are exact too. For inference, `blocks_many` brings the same
+chunks one source rank at a time (a broadcast each, agreed the same way), so attention can
+fold them in without the full K and V (`haloshard._masked_attention`).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -232,16 +236,51 @@ def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *
     """
     grp = _comm.resolve_group(group)
     tensors = tuple(tensors)
+    status = _agree_many(tensors, dim, grp, global_length, frame, reuse, blocks=False)
+    return _gather(tensors, dim % tensors[0].ndim, grp, global_length, frame, status)
+
+
+def blocks_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *,
+                global_length: int, frame: int = 1, reuse: Reuse | None = None
+                ) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
+    """`gather_many` one source rank's block at a time, for inference (not differentiable).
+
+    Yields `(src, blocks)` for src = 0 .. P - 1: rank src's chunks of `tensors`, padded
+    along `dim` to the longest chunk (`frame` times `shard_sizes(global_length, P)[0]`);
+    each is broadcast from src when it is due, so a rank holds its own chunk and one
+    other, not the whole dim. Every rank must consume every block (each is a collective).
+    Agreed as `gather_many` (same `reuse`); with a status, each block carries its source's
+    status and `HaloError` is raised on every rank after the last block.
+
+    Example::
+        >>> [src for src, (k_b, v_b) in blocks_many((k, v), 2, mesh, global_length=13)]
+        [0, 1]
+    """
+    grp = _comm.resolve_group(group)
+    tensors = tuple(tensors)
+    status = _agree_many(tensors, dim, grp, global_length, frame, reuse, blocks=True)
+    yield from _blocks(tensors, dim % tensors[0].ndim, grp, global_length, frame, status)
+
+
+def _agree_many(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
+                global_length: int, frame: int, reuse: Reuse | None, *, blocks: bool
+                ) -> int | None:
+    """Agree on `tensors` on every rank at once (see `gather_many`); the status the
+    transport carries: 0 at an agreed site (a mistake rides in the transport), None when
+    this call's metadata row agreed and nothing is cached. `blocks`: the transport is
+    `_blocks` (else one all-gather), part of the agreed signature so that a rank whose
+    agreement is stale joins the transport its peers run."""
     names = tuple(f"tensor {i}" for i in range(len(tensors)))
     problem = _problem(tensors, dim, global_length, frame)
     if reuse is None or torch.compiler.is_compiling() or enabled_local_tensor_mode() is not None:
         _agree(tensors, names, dim, grp, global_length, frame, problem)
-        return _gather(tensors, dim % tensors[0].ndim, grp, global_length, frame)
+        return None
     d = dim % tensors[0].ndim  # `_problem` found it in range, or raises below
     store, signature = reuse
     # One agreement per site (the same key on every rank); the signature, which may differ
     # between ranks, is compared locally (see `haloshard._exchange.Reuse`).
-    key, signature = (id(grp.pg), len(tensors)), (signature, dim, global_length, frame)
+    key = (id(grp.pg), len(tensors))
+    signature = (signature, dim, global_length, frame, blocks)
     row = None if problem else _meta_row(tensors, dim, global_length, frame, False).tolist()
     if key in store and not _reuse_agreed(grp, store[key], row, signature, problem):
         del store[key]  # every rank's signature changed: agree afresh, all alike
@@ -249,10 +288,65 @@ def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *
         _agree(tensors, names, dim, grp, global_length, frame, problem)
         fronts = _fronts(tensors, d)[0]
         if not _one_buffer(fronts):
-            return _gather(tensors, d, grp, global_length, frame)
+            return None
         buffer = (*fronts[0].shape[1:-1], sum(f.shape[-1] for f in fronts))
         store[key] = (row, buffer, tensors[0].dtype, tensors[0].device, signature)
-    return _gather(tensors, d, grp, global_length, frame, status=0)
+    return 0
+
+
+def _blocks(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
+            global_length: int, frame: int, status: int | None
+            ) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
+    """Broadcast each rank's chunks (one buffer, padded to the longest chunk, then its
+    status when not None) in turn; yield them as `blocks_many` does."""
+    fronts, moved, names = _fronts(tensors, dim)
+    widths = [f.shape[-1] for f in fronts]
+    own = _block_buffer(fronts, max(shard_sizes(global_length, grp.size)) * frame, status)
+    row = (*fronts[0].shape[1:-1], sum(widths))
+    flags = []
+    for src in range(grp.size):
+        buf = _comm.broadcast(_source_buffer(own, grp.rank, src), src, grp,
+                              "broadcast of one rank's block along the dim")
+        if status is not None:
+            flags.append(buf[-1:])
+            buf = buf[:-1]
+        block = buf.view(-1, *row)
+        yield src, tuple(rearrange(p, f"{moved} -> {' '.join(names)}")
+                         for p in block.split(widths, -1))
+    if status is not None:
+        _comm.check_flags(torch.cat(flags), "this attention block tensors that differ from "
+                          "those")
+
+
+def _block_buffer(fronts: list[torch.Tensor], chunk: int, status: int | None
+                  ) -> torch.Tensor:
+    """`fronts` side by side along their last dim, padded along dim 0 to `chunk` rows,
+    flat, then one status element. Eager: each written once into one buffer (no cat of a
+    cat: one block of K/V in memory, not two)."""
+    if not _comm.is_eager(fronts[0]):  # simulated ranks: per-rank lengths, as `_gather_front`
+        front = torch.cat(fronts, -1) if len(fronts) > 1 else fronts[0]
+        pieces = [front.reshape(-1),
+                  front.new_zeros((chunk - front.shape[0], *front.shape[1:])).reshape(-1)]
+        if status is not None:
+            pieces.append(front.new_full((1,), status))
+        return torch.cat(pieces)
+    shape = (chunk, *fronts[0].shape[1:-1], sum(f.shape[-1] for f in fronts))
+    flat = fronts[0].new_zeros(math.prod(shape) + (status is not None))  # zeros: padding
+    block, at = flat.narrow(0, 0, math.prod(shape)).view(shape), 0
+    for f in fronts:
+        block.narrow(0, 0, f.shape[0]).narrow(-1, at, f.shape[-1]).copy_(f)
+        at += f.shape[-1]
+    if status is not None:
+        flat[-1] = status
+    return flat
+
+
+def _source_buffer(own: torch.Tensor, rank: int | torch.SymInt, src: int) -> torch.Tensor:
+    """What this rank passes to the broadcast from `src`: its own block there, else a
+    buffer to receive in (simulated ranks: their own block, which the broadcast replaces)."""
+    if isinstance(rank, int) and rank != src:
+        return torch.empty_like(own)
+    return own
 
 
 def _reuse_agreed(grp: _comm.Group, agreed: tuple[Any, ...], row: list[int] | None,
@@ -264,9 +358,10 @@ def _reuse_agreed(grp: _comm.Group, agreed: tuple[Any, ...], row: list[int] | No
     agreed_row, buffer, dtype, device, agreed_signature = agreed
     if problem is None and row == agreed_row and signature == agreed_signature:
         return True
-    _, _, global_length, frame = agreed_signature
-    statuses = _placeholder_gather(grp, global_length, frame, buffer, dtype, device,
-                                   1 if problem else _CHANGED)
+    _, _, global_length, frame, blocks = agreed_signature
+    join = _placeholder_blocks if blocks else _placeholder_gather
+    statuses = join(grp, global_length, frame, buffer, dtype, device,
+                    1 if problem else _CHANGED)
     if problem is None and set(statuses) == {_CHANGED}:
         return False
     kept = [r for r, f in enumerate(statuses) if f == 0]
@@ -292,6 +387,19 @@ def _placeholder_gather(grp: _comm.Group, global_length: int, frame: int,
     every = _comm.all_gather(placeholder, grp, "all-gather along the dim")
     blocks = every.unflatten(0, (grp.size, -1))
     return [int(v) for v in blocks[:, -1].reshape(grp.size, -1)[:, 0].tolist()]
+
+
+def _placeholder_blocks(grp: _comm.Group, global_length: int, frame: int,
+                        buffer: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                        status: int) -> list[int]:
+    """`_placeholder_gather` for peers running `_blocks`: join each broadcast with a zero
+    block and `status`; every rank's status."""
+    chunk = max(shard_sizes(global_length, grp.size)) * frame
+    own = _block_buffer([torch.zeros((chunk, *buffer), dtype=dtype, device=device)], chunk,
+                        status)
+    return [int(_comm.broadcast(_source_buffer(own, grp.rank, src), src, grp,
+                                "broadcast of one rank's block along the dim")[-1].item())
+            for src in range(grp.size)]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike, *,

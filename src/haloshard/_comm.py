@@ -37,6 +37,7 @@ from haloshard._compat import (
     dist_all_gather_single,
     dist_reduce_scatter_single,
     enabled_local_tensor_mode,
+    functional_broadcast,
     maybe_run_for_local_tensor,
     reduce_scatter_single,
     wait_tensor,
@@ -403,6 +404,19 @@ def all_gather(buf: torch.Tensor, group: Group, what: str = "all-gather") -> tor
     work = dist_all_gather_single(out, buf, group=group.pg, async_op=True)
     waited(what, work.wait)
     return out
+
+
+def broadcast(buf: torch.Tensor, src: int, group: Group, what: str = "broadcast"
+              ) -> torch.Tensor:
+    """Rank `src`'s `buf` (a group-local rank) on every rank; the others pass a buffer of its
+    shape and dtype, which an eager broadcast fills in place (not differentiable)."""
+    root = dist.get_global_rank(group.pg, src)
+    if not is_eager(buf):
+        return wait_tensor(functional_broadcast(buf, root, group.funcol_group))
+    buf = buf.contiguous()
+    work = dist.broadcast(buf, root, group=group.pg, async_op=True)
+    waited(what, work.wait)
+    return buf
 
 
 def reduce_scatter(buf: torch.Tensor, group: Group, what: str = "reduce-scatter"

@@ -153,6 +153,7 @@ all_gather_single_autograd = renamed(
     _funcol, "all_gather_single_autograd", "all_gather_tensor_autograd")
 reduce_scatter_single = renamed(_funcol, "reduce_scatter_single", "reduce_scatter_tensor")
 all_reduce = _funcol.all_reduce
+functional_broadcast = _funcol.broadcast
 wait_tensor = _funcol.wait_tensor
 
 # c10d's eager collectives into one flat tensor, by their 2.13 names, were named

@@ -6,7 +6,10 @@ causal mask (Mochi). Built on one device, that mask is a dense `(T*H*W)^2` tenso
 stacks have run out of memory building it. Here each rank builds only its queries' part,
 `(T_r, T)` frame indices, compared by broadcasting: no `(N_r, N)` tensor of booleans is ever
 materialised apart from the scores themselves. Keys and values are all-gathered along T
-(one `gather_many` for both); the backward reduce-scatters their gradients.
+(one `gather_many` for both); the backward reduce-scatters their gradients. When no gradient
+of K or V is wanted (inference), they come one source rank's block at a time instead
+(`blocks_many`) and the softmax is merged block by block (a running max and sum): a rank
+holds two blocks of K/V and one block's scores, never the whole T.
 
 Tokens stay in `(..., T_r, S, E)` form (S tokens per frame) throughout: flattening a
 per-rank T_r into tokens is a reshape that `LocalTensorMode` cannot run, and keeping the
@@ -18,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from haloshard._attention import Reuse, gather_many
+from haloshard._attention import Reuse, blocks_many, gather_many
 from haloshard._comm import Group, GroupLike, resolve_group
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
@@ -47,6 +50,10 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gr
     Forward: q, k, v `(..., T_r, S, E)` -> `(..., T_r, S, E)`, keys and values all-gathered
     along T; with `causal`, a query of global frame t attends to the tokens of frames <= t
     only (block-causal over `T*S` tokens). Backward: exact; dK and dV are reduce-scattered.
+    When neither k nor v requires grad (e.g. under `torch.no_grad()`), K/V are not gathered:
+    each rank's block is broadcast in turn and merged by online softmax (exact up to the
+    order of the sums; blocks wholly in a query's future are skipped), so no rank holds more
+    than two blocks; the output is still differentiable in q.
 
     Args:
         q, k, v: this rank's `Shard(T)` chunk, frames at dim -3, S tokens per frame at -2.
@@ -92,6 +99,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike,
             length: int, causal: bool, scale: float | None, padded: bool,
             reuse: Reuse | None) -> torch.Tensor:
     """Queries `(..., rows, S, E)` (padded: the longest chunk) over the gathered k, v."""
+    # No gradient of K or V wanted (under no_grad, or frozen): blocks. Decided by what the
+    # agreement compares (requires_grad of k and v), never by a rank's own grad mode, so
+    # every rank picks the same collectives.
+    if not (k.requires_grad or v.requires_grad) and not torch.compiler.is_compiling():
+        return _attend_blocks(q, k, v, group, grp, length, causal, scale, padded, reuse)
     k_all, v_all = gather_many((k, v), k.ndim - 3, group, global_length=length, reuse=reuse)
     s = scale if scale is not None else q.shape[-1] ** -0.5
     # Queries as rows (s, t): (..., S * rows, E), one plain matmul against every key. The
@@ -108,3 +120,73 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike,
     # frame t always sees itself: no row is all -inf
     out = torch.softmax(scores, dim=-1) @ v_flat
     return out.unflatten(-2, (per_frame, rows)).transpose(-3, -2)
+
+
+def _attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike,
+                   grp: Group, length: int, causal: bool, scale: float | None, padded: bool,
+                   reuse: Reuse | None) -> torch.Tensor:
+    """`_attend` for inference: over one source rank's K/V block at a time (`blocks_many`),
+    merged with a running max and sum (online softmax), so a rank holds two K/V blocks and
+    one block's scores instead of the whole T. Exact up to rounding (sums in another order).
+    """
+    s = scale if scale is not None else q.shape[-1] ** -0.5
+    per_frame = q.shape[-2]
+    rows = shard_sizes(length, grp.size)[0] if padded else q.shape[-3]
+    queries = q.transpose(-3, -2).contiguous().flatten(-3, -2)  # (..., S * rows, E)
+    # low-precision inputs: the running statistics and sums in float32, as SDPA's kernels
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    state = (queries.new_full((*queries.shape[:-1], 1), float("-inf"), dtype=dtype),
+             queries.new_zeros((*queries.shape[:-1], 1), dtype=dtype),
+             queries.new_zeros(queries.shape, dtype=dtype))
+    for src, (k_b, v_b) in blocks_many((k, v), k.ndim - 3, group, global_length=length,
+                                       reuse=reuse):
+        if _unseen(grp.rank, src, length, grp.size, rows, causal):
+            continue  # every rank still joined the block's broadcast
+        scores = (queries @ k_b.flatten(-3, -2).transpose(-2, -1)).to(dtype) * s
+        hidden = _hidden(grp.rank, src, length, grp.size, per_frame, padded, causal,
+                         q.device)
+        fill = scores.masked_fill if scores.requires_grad else scores.masked_fill_
+        state = _merge(state, fill(hidden, float("-inf")), v_b.flatten(-3, -2).to(dtype))
+    _, total, out = state
+    out = (out / total).to(q.dtype)
+    return out.unflatten(-2, (per_frame, rows)).transpose(-3, -2)
+
+
+def _unseen(rank: int | torch.SymInt, src: int, length: int, world: int, rows: int,
+            causal: bool) -> bool:
+    """Whether no query of this rank sees a key of rank `src`'s block (eager ranks only:
+    simulated ranks run every block, masked)."""
+    if not isinstance(rank, int):
+        return False
+    src_size, src_offset = shard_size_and_offset(length, world, src)
+    offset = shard_size_and_offset(length, world, rank)[1]
+    return rows == 0 or src_size == 0 or (causal and src_offset > offset + rows - 1)
+
+
+@maybe_run_for_local_tensor
+def _hidden(rank: int, src: int, length: int, world: int, per_frame: int, padded: bool,
+            causal: bool, device: torch.device) -> torch.Tensor:
+    """`(S * rows, chunk * S)`: True where a key of rank `src`'s padded block is padding,
+    or (causal) of a frame after the query's; queries in (s, t) order, keys in (t, s)."""
+    size, offset = shard_size_and_offset(length, world, rank)
+    longest = shard_sizes(length, world)[0]
+    src_size, src_offset = shard_size_and_offset(length, world, src)
+    queries = torch.arange(offset, offset + (longest if padded else size),
+                           device=device).repeat(per_frame)
+    keys = torch.arange(longest, device=device).repeat_interleave(per_frame)
+    hidden = (keys >= src_size)[None, :].expand(queries.shape[0], -1)
+    return hidden | ((keys + src_offset)[None, :] > queries[:, None]) if causal else hidden
+
+
+def _merge(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scores: torch.Tensor,
+           values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold one block's masked scores and values into (running max, sum, output sum)."""
+    top, total, out = state
+    new_top = torch.maximum(top, scores.amax(-1, keepdim=True))
+    # a row that has seen no key yet keeps the max -inf: shift it by 0, not by -inf (NaN)
+    shift = new_top.masked_fill(new_top == float("-inf"), 0)
+    # in place (one block of scores, not two) unless autograd needs them (q's gradient)
+    weights = torch.exp(scores - shift) if scores.requires_grad else scores.sub_(shift).exp_()
+    rescale = torch.exp(top - shift)
+    return new_top, total * rescale + weights.sum(-1, keepdim=True), \
+        out * rescale + weights @ values

@@ -298,7 +298,9 @@ class HunyuanMidBlockParallel(ParallelStyle):
 
     Its resnets run through their own plan entries; each attention runs as its processor
     does, with `frame_attention(causal=True)` in place of SDPA over a dense mask. Memory per
-    rank: the full K and V, and scores for this rank's queries only (`N / P * N` per head).
+    rank, training: the full K and V, and scores for this rank's queries only (`N / P * N`
+    per head); under `torch.no_grad()`: two ranks' blocks of K and V and one block's scores
+    (`N / P * N / P` per head), K/V coming one source rank at a time.
 
     Raises:
         HaloError: in `_apply` for another class, a dim other than 2 (T), or an attention
@@ -489,8 +491,9 @@ class MochiBlockParallel(ParallelStyle):
 
     The block's conv_in, resnets and norms run through their own plan entries; each
     attention (causal along T, one sequence per pixel) runs as its processor does, with
-    `frame_attention(causal=True)` over keys and values gathered along T. Memory: every rank
-    holds the block's full K and V (`2 * B * T * H * W * C`): all pixels attend along T.
+    `frame_attention(causal=True)` over keys and values gathered along T. Memory, training:
+    every rank holds the block's full K and V (`2 * B * T * H * W * C`): all pixels attend
+    along T; under `torch.no_grad()`: two ranks' blocks of them, one source rank at a time.
 
     Raises:
         HaloError: in `_apply` for another class, a dim other than 2 (T), or an attention
