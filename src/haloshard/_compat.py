@@ -65,7 +65,7 @@ def check_torch_version(version: str) -> None:
         >>> check_torch_version("2.13.0+cpu")
         >>> check_torch_version("2.10.0")
         Traceback (most recent call last):
-        ImportError: haloshard supports torch 2.12 to 2.14, but torch 2.10.0 is installed ...
+        ImportError: haloshard supports torch 2.12 to 2.14, but torch 2.10.0 is installed...
     """
     oldest, newest = SUPPORTED_TORCH
     supported = f"torch {_name(oldest)} to {_name(newest)}"
