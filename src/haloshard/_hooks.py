@@ -244,6 +244,8 @@ class _HaloForward(ShardedForward):
         self.known = known  # the module runs torch's own forward for its kind
         # other sharded dims the module treats slice by slice (no halo along them)
         self.per_slice: tuple[int, ...] = ()
+        # other sharded dims a causal wrapper pads itself (`F.pad`): the halo replaces it
+        self.own_pads: dict[int, HaloShard] = {}
 
     def fresh(self) -> None:
         # Agreements of earlier calls, by global signature: a layer validates its arguments
@@ -356,7 +358,9 @@ class _HaloForward(ShardedForward):
         along `d` the halo replaces; None for a dim in `per_slice` (no halo). A conv,
         pooling or resampling with torch's own forward gives its own; a causal wrapper
         (explicit spec, or `CausalConvParallel`) the one conv inside it, which must take
-        the wrapper's input as it is (any `F.pad` or `torch.cat` of `d` raises at run time).
+        the wrapper's input as it is (any `F.pad` or `torch.cat` of `d` raises at run time)
+        unless the style names the wrapper's own `F.pad` of `d` (`own_pads`): the halo then
+        holds that padding, and the conv's kernel and stride along `d` give the reach.
         """
         if d in self.per_slice:
             return None
@@ -374,7 +378,12 @@ class _HaloForward(ShardedForward):
                 "forward, a causal wrapper around one such conv (explicit spec or "
                 f"CausalConvParallel), or a style told the layer is per-slice along dim {d} "
                 f"(local_dims=({d},)); it has no local= rule")
-        return derive_stencil(convs[0], d), convs[0]
+        stencil = derive_stencil(convs[0], d)
+        own = self.own_pads.get(d)
+        if own is not None:  # the wrapper's F.pad along d, then its conv's kernel and stride
+            assert isinstance(stencil, ConvStencil)
+            stencil = replace(stencil, pad_left=own.left, pad_right=own.right, pad=own.pad)
+        return stencil, convs[0]
 
     def run_across(self, x: torch.Tensor, across: dict[int, tuple[Stencil, nn.Module] | None],
                    *args: Any, **kwargs: Any) -> Any:
@@ -386,8 +395,10 @@ class _HaloForward(ShardedForward):
                 for d, found in across.items():
                     if found is not None:
                         stack.enter_context(_swapped(found[1], local_attrs(found[1], d)))
-                    # padding d any other way would shift the halo (or pad a chunk's edge)
-                    stack.enter_context(_NoPadAlong(d, None, x, watch=True))
+                    # padding d any other way would shift the halo (or pad a chunk's edge);
+                    # a wrapper's own F.pad of d (`own_pads`) is dropped: the halo holds it
+                    own = self.own_pads.get(d)
+                    stack.enter_context(_NoPadAlong(d, own, x, watch=own is None))
                 stack.enter_context(_NoPadAlong(annotation.dim, annotation.spec, x,
                                                 watch=self.watch, plain=self.plain))
                 return (self.original(x, *args, **kwargs) if self.local is None

@@ -168,16 +168,76 @@ class UpCausalStencil:
         return i0, i1, start - i0 * f
 
 
+@dataclass(frozen=True)
+class RepeatConvStencil:
+    """Each row repeated `factor` times (nearest), then a centred conv reading `reach` rows
+    on each side with its own `pad` padding: output length `T * factor` (HunyuanVideo's
+    upsampler along H).
+
+    Beyond the global ends the window holds `pad` rows, whose repeats are what the conv's
+    own padding reads there; the module's padding at the window's edges reaches only
+    outputs that are dropped.
+
+    Example::
+        >>> RepeatConvStencil(2, 1).window(4, 8)  # up-rows 3..8 come from rows 1..4
+        (1, 5, 2)
+    """
+
+    factor: int
+    reach: int
+    pad: PadMode = "replicate"
+    fill: float | None = None
+    min_input: int = 1
+
+    def out_length(self, length: int) -> int:
+        return max(length, 0) * self.factor
+
+    def window(self, start: int, stop: int) -> tuple[int, int, int]:
+        f = self.factor
+        i0 = (start - self.reach) // f
+        return i0, (stop - 1 + self.reach) // f + 1, start - i0 * f
+
+
+@dataclass(frozen=True)
+class ConvRepeatStencil:
+    """A centred conv reading `reach` rows on each side (its own zero padding), then each
+    row becomes `factor` rows (depth-to-space): output length `T * factor` (LTX-Video's
+    upsampler along H).
+
+    Example::
+        >>> ConvRepeatStencil(2, 1).window(3, 6)  # conv outputs 1..2 read rows 0..3
+        (0, 4, 3)
+    """
+
+    factor: int
+    reach: int
+    pad: PadMode = "zeros"
+    fill: float | None = None
+    min_input: int = 1
+
+    def out_length(self, length: int) -> int:
+        return max(length, 0) * self.factor
+
+    def window(self, start: int, stop: int) -> tuple[int, int, int]:
+        f = self.factor
+        i0 = start // f - self.reach
+        return i0, (stop - 1) // f + 1 + self.reach, start - i0 * f
+
+
 class HunyuanUpsampleParallel(ParallelStyle):
     """`HunyuanVideoUpsampleCausal3D` on `Shard(T)`: exact for any temporal factor.
 
     Its forward (interpolate the first frame spatially, the others by `upsample_factor`,
     then its `HunyuanVideoCausalConv3d`) runs unedited on a window of its input.
 
+    With H sharded (`dim=3`), the same module runs on a window of rows
+    (`RepeatConvStencil`: nearest by the factor along H, then the conv's replicate `F.pad`
+    of H, kept on the window).
+
     Raises:
-        HaloError: in `_apply` for another class, a dim other than 2 (T), a non-integer
-            temporal factor, or a conv that is not causal with replicate padding and stride
-            1 along T.
+        HaloError: in `_apply` for another class, a dim other than 2 (T) or 3 (H), a
+            non-integer factor along dim, or a conv that is not causal with replicate
+            padding and stride 1 along T (centred along H).
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -190,6 +250,9 @@ class HunyuanUpsampleParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "HunyuanVideoUpsampleCausal3D", "HunyuanUpsampleParallel")
+        if self.dim == 3:
+            attach(module, Annotation(None, 3, _hunyuan_rows(module)), device_mesh)
+            return module
         _check_time_dim(self.dim, "HunyuanUpsampleParallel")
         factor, wrapper = module.upsample_factor[0], module.conv
         conv = wrapper.conv
@@ -205,6 +268,22 @@ class HunyuanUpsampleParallel(ParallelStyle):
         attach(module, Annotation(None, self.dim, UpCausalStencil(int(factor), span)),
                device_mesh)
         return module
+
+
+def _hunyuan_rows(module: nn.Module) -> RepeatConvStencil:
+    """The upsampler's stencil along H: nearest by its factor, then its conv's centred
+    replicate `F.pad` of H (stride and dilation 1)."""
+    factor, wrapper = module.upsample_factor[1], module.conv
+    conv = wrapper.conv
+    k, pads = conv.kernel_size[1], tuple(wrapper.time_causal_padding[2:4])
+    if (factor != int(factor) or factor < 1 or conv.stride[1] != 1 or conv.dilation[1] != 1
+            or conv.padding[1] != 0 or pads != ((k - 1) // 2, (k - 1) // 2)
+            or wrapper.pad_mode != "replicate"):
+        raise HaloError(f"HunyuanUpsampleParallel(dim=3) expects an integer factor along H "
+                        f"and a conv of stride 1 replicate-padded by (k - 1) // 2 on each "
+                        f"side of H, got factor {factor}, kernel {k}, stride {conv.stride[1]}, "
+                        f"H padding {pads}, pad_mode {wrapper.pad_mode!r}")
+    return RepeatConvStencil(int(factor), (k - 1) // 2)
 
 
 # ---------------------------------------------------------------- HunyuanVideo mid-block
@@ -224,7 +303,8 @@ class _MidBlockForward(ShardedForward):
         h = run(m.resnets[0], x)
         for attn, resnet in zip(m.attentions, m.resnets[1:], strict=True):
             if attn is not None:
-                h = _causal_attention(attn, h, self.dim)
+                attend = _causal_attention if self.dim == 2 else _causal_attention_rows
+                h = attend(attn, h, self.dim)
             h = run(resnet, h)
         return h
 
@@ -264,6 +344,41 @@ def _causal_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     o = attn.to_out[1](attn.to_out[0](o)).unflatten(2, (height, width)).movedim(-1, 1)
     if padded:
         o = o.narrow(dim, 0, n)
+    if attn.residual_connection:
+        o = o + x
+    o = o / attn.rescale_output_factor
+    stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
+    return DTensor.from_local(o, site.mesh, site.placements, run_check=False, shape=h.shape,
+                              stride=stride)
+
+
+def _causal_attention_rows(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
+    """`_causal_attention` with H sharded: K and V gathered along H, every frame's queries
+    (this rank's rows) attend to the tokens of frames up to their own, one frame at a time
+    (no `(THW)^2` mask; scores for one frame's queries at once)."""
+    site = _dtensor_site(h, dim)
+    x, group = site.local, (site.mesh, site.axis)
+    gn = attn.group_norm
+    y = x if gn is None else group_norm(x, gn.num_groups, gn.weight, gn.bias, gn.eps, group,
+                                        dim=dim)
+    n = rows = x.shape[dim]
+    if enabled_local_tensor_mode() is not None:
+        # simulated ranks: every chunk padded to the longest, as in `_causal_attention`
+        rows = shard_sizes(site.length, site.mesh.size(site.axis))[0]
+        y = F.pad(y, (0, 0, 0, lack(n, rows)))
+    tokens = y.movedim(1, -1).contiguous()  # (B, T, rows, W, C)
+    # (B, heads, T, rows, W, E), contiguous: the gather's backward takes its gradient as is
+    q, k, v = (lin(tokens).unflatten(-1, (attn.heads, -1)).permute(0, 4, 1, 2, 3, 5)
+               .contiguous() for lin in (attn.to_q, attn.to_k, attn.to_v))
+    k, v = gather_many((k.narrow(dim, 0, n), v.narrow(dim, 0, n)), dim, group,
+                       global_length=site.length, reuse=_reuse(attn, site))
+    frames = [F.scaled_dot_product_attention(q[:, :, t].flatten(2, 3),
+                                             k[:, :, : t + 1].flatten(2, 4),
+                                             v[:, :, : t + 1].flatten(2, 4))
+              for t in range(q.shape[2])]
+    o = torch.stack(frames, 2).permute(0, 2, 3, 1, 4).flatten(-2)  # (B, T, rows * W, C)
+    o = attn.to_out[1](attn.to_out[0](o)).unflatten(2, (rows, tokens.shape[3]))
+    o = o.narrow(2, 0, n).movedim(-1, 1)
     if attn.residual_connection:
         o = o + x
     o = o / attn.rescale_output_factor
@@ -313,7 +428,8 @@ class HunyuanMidBlockParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "HunyuanVideoMidBlock3D", "HunyuanMidBlockParallel")
-        _check_time_dim(self.dim, "HunyuanMidBlockParallel")
+        if self.dim != 3:  # H: K and V gathered along H, the frame mask unchanged
+            _check_time_dim(self.dim, "HunyuanMidBlockParallel")
         for i, attn in enumerate(module.attentions):
             if attn is not None:
                 _check_attention(attn, f"attentions.{i}")
@@ -653,9 +769,13 @@ class LTXUpsamplerParallel(ParallelStyle):
     depth-to-space by its temporal stride, then the first `stride - 1` frames dropped,
     run unedited on a window of its input (`ConvDepthToSpaceStencil`).
 
+    With H sharded (`dim=3`), the same module runs on a window of rows
+    (`ConvRepeatStencil`: the conv's own zero padding of H, then each row becomes the
+    spatial stride's rows).
+
     Raises:
-        HaloError: in `_apply` for another class, a dim other than 2 (T), or a conv that
-            is not stride 1 along T.
+        HaloError: in `_apply` for another class, a dim other than 2 (T) or 3 (H), or a
+            conv that is not stride 1 along dim (and centred with zero padding along H).
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -668,6 +788,9 @@ class LTXUpsamplerParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "LTXVideoUpsampler3d", "LTXUpsamplerParallel")
+        if self.dim == 3:
+            attach(module, Annotation(None, 3, _ltx_rows(module)), device_mesh)
+            return module
         _check_time_dim(self.dim, "LTXUpsamplerParallel")
         conv = module.conv
         k, stride = conv.kernel_size[0], conv.conv.stride[0]
@@ -680,10 +803,25 @@ class LTXUpsamplerParallel(ParallelStyle):
         return module
 
 
+def _ltx_rows(module: nn.Module) -> ConvRepeatStencil:
+    """The upsampler's stencil along H: its conv (stride 1, centred zero padding of its
+    own), then depth-to-space by its stride along H."""
+    conv = module.conv.conv
+    k, stride, pad = conv.kernel_size[1], conv.stride[1], conv.padding[1]
+    if (stride != 1 or conv.dilation[1] != 1 or conv.padding_mode != "zeros"
+            or 2 * pad != k - 1):
+        raise HaloError(f"LTXUpsamplerParallel(dim=3) expects a conv of stride 1 with its "
+                        f"own zero padding (k - 1) // 2 along H, got kernel {k}, stride "
+                        f"{stride}, padding {pad}, padding_mode {conv.padding_mode!r}")
+    return ConvRepeatStencil(module.stride[1], pad)
+
+
 # ---------------------------------------------------------------- plans
 # class name -> (style for it, whether the style covers the module's children too: all of
 # them, or the named ones)
-_Rule = tuple[Callable[[nn.Module], ParallelStyle | None], bool | tuple[str, ...]]
+# (or `{relative fqn: style}` for the module and its children)
+_Rule = tuple[Callable[[nn.Module], ParallelStyle | dict[str, ParallelStyle] | None],
+              bool | tuple[str, ...]]
 
 
 def _causal_conv(module: nn.Module) -> ParallelStyle:
@@ -834,6 +972,159 @@ def _pointwise(module: nn.Module) -> ParallelStyle:
     return LocalParallel()
 
 
+# ---------------------------------------------------------------- H, and T and H at once
+# Per dims setting, the rules that replace a family's T rules (keyed by the classes
+# `_PLANS` knows). A class with a T rule of its own and none here is refused when the plan
+# is built (`_refused`); containers, activations and blocks that only call their children
+# (`_PASS`) read no row but their own and keep their rule.
+_Along = dict[str, dict[str, _Rule]]
+
+
+def _refused(cls: str, dims: tuple[int, ...]) -> _Rule:
+    def refuse(module: nn.Module) -> None:
+        raise HaloError(f"{cls} cannot be sharded on dims {dims} by this plan: its rule "
+                        "is planned along T only (dims=(2,)); expected dims=(2,), or a plan "
+                        "entry of your own for it")
+    return refuse, True
+
+
+def _rows_causal_conv(module: nn.Module) -> ParallelStyle:
+    """HunyuanVideo's (and Mochi's replicate) causal conv with H sharded: its `F.pad` of
+    H is centred, so `CausalConvParallel(dim=3)` with those widths (any stride)."""
+    if module.pad_mode not in _PAD:
+        raise HaloError(f"a causal conv with pad_mode {module.pad_mode!r} is not supported; "
+                        f"expected one of {sorted(_PAD)}")
+    left, right = module.time_causal_padding[2:4]
+    return CausalConvParallel(pad=_PAD[module.pad_mode], dim=3,  # type: ignore[arg-type]
+                              pads={3: (left, right)})
+
+
+def _time_rows_causal_conv(module: nn.Module) -> ParallelStyle:
+    """The same with T and H sharded: the T halo causal, the H halo holds its `F.pad`."""
+    if module.pad_mode != "replicate":
+        raise HaloError(f"a causal conv with pad_mode {module.pad_mode!r} is planned on T "
+                        "and H with pad_mode 'replicate' only (F.pad of T and H)")
+    left, right = module.time_causal_padding[2:4]
+    return CausalConvParallel(pad="replicate", pads={3: (left, right)})
+
+
+def _rows_pointwise(module: nn.Module) -> ParallelStyle:
+    _pointwise(module)  # refuses a conv that is not 1x1x1
+    return LocalParallel(dim=3)
+
+
+def _rows_ltx_conv(module: nn.Module) -> dict[str, ParallelStyle]:
+    """LTX's conv with H sharded: the wrapper pads T only (run on the H chunk), its conv
+    pads H itself (`padding`, any stride): the halo derived from the conv."""
+    return {"conv": HaloParallel(dim=3)}
+
+
+def _ltx_patches_rows(module: nn.Module) -> None:
+    """The encoder's patchify and the decoder's unpatchify fold `patch_size` rows into
+    channels in their own forward: only 1 keeps H apart."""
+    _ltx_patches(module)
+    if module.patch_size != 1:
+        raise HaloError(f"{type(module).__name__} with patch_size={module.patch_size} "
+                        "folds rows into channels in its own forward; planned on H with "
+                        "patch_size=1 only")
+
+
+def _ltx_decoder_rows(module: nn.Module) -> ParallelStyle | None:
+    _ltx_patches_rows(module)
+    return _timestep_rows(module, "time_embedder")
+
+
+def _timestep_rows(module: nn.Module, name: str) -> ParallelStyle | None:
+    _timestep_conditioned(module, name)  # refuses noise injection
+    return ReplicatedArgsParallel(dim=3) if getattr(module, name, None) is not None else None
+
+
+def _ltx_decoder_time_rows(module: nn.Module) -> None:
+    _ltx_patches_rows(module)
+    if getattr(module, "time_embedder", None) is not None:
+        raise HaloError("LTXVideoDecoder3d with timestep conditioning is planned on T or on "
+                        "H, not on both at once (ReplicatedArgsParallel takes one sharded "
+                        "mesh axis)")
+
+
+def _no_timestep(module: nn.Module) -> None:
+    if getattr(module, "scale_shift_table", None) is not None:
+        raise HaloError(f"{type(module).__name__} with timestep conditioning is planned on "
+                        "T or on H, not on both at once")
+
+
+_HUNYUAN_ROWS: dict[str, _Rule] = {
+    "HunyuanVideoCausalConv3d": (_rows_causal_conv, True),
+    "HunyuanVideoUpsampleCausal3D": (lambda m: HunyuanUpsampleParallel(dim=3), True),
+    "HunyuanVideoMidBlock3D": (lambda m: HunyuanMidBlockParallel(dim=3), False),
+    "Attention": (lambda m: None, True),  # run by the mid-block's style
+    "GroupNorm": (lambda m: GroupNormParallel(dim=3), True),
+    "Conv3d": (_rows_pointwise, True),
+}
+_HUNYUAN_TIME_ROWS: dict[str, _Rule] = {
+    "HunyuanVideoCausalConv3d": (_time_rows_causal_conv, True),
+    "GroupNorm": (lambda m: GroupNormParallel(), True),  # statistics over both axes
+    "Conv3d": (lambda m: _pointwise(m), True),  # per slice along H too (kernel 1)
+}
+_LTX_ROWS: dict[str, _Rule] = {
+    "LTXVideoEncoder3d": (_ltx_patches_rows, False),
+    "LTXVideoDecoder3d": (_ltx_decoder_rows, False),
+    "LTXVideoCausalConv3d": (_rows_ltx_conv, True),
+    "LTXVideoUpsampler3d": (lambda m: LTXUpsamplerParallel(dim=3), True),
+    "RMSNorm": (lambda m: LocalParallel(dim=2), True),  # channels-last: H at dim 2
+    "LayerNorm": (lambda m: LocalParallel(dim=2), True),
+    "LTXVideoResnetBlock3d": (lambda m: _timestep_rows(m, "scale_shift_table"), False),
+    "PixArtAlphaCombinedTimestepSizeEmbeddings": (lambda m: None, True),
+}
+_LTX_TIME_ROWS: dict[str, _Rule] = {
+    "LTXVideoEncoder3d": (_ltx_patches_rows, False),
+    "LTXVideoDecoder3d": (_ltx_decoder_time_rows, False),
+    "LTXVideoCausalConv3d": (_ltx_causal_conv, True),  # the H halo from its conv
+    "RMSNorm": (lambda m: LocalParallel(dim=1, local_dims=(2,)), True),
+    "LayerNorm": (lambda m: LocalParallel(dim=1, local_dims=(2,)), True),
+    "LTXVideoResnetBlock3d": (_no_timestep, False),
+    "PixArtAlphaCombinedTimestepSizeEmbeddings": (lambda m: None, True),
+}
+_MOCHI_TIME_ROWS: dict[str, _Rule] = {
+    "CogVideoXCausalConv3d": (_time_rows_causal_conv, True),
+    "Conv3d": (lambda m: _pointwise(m), True),  # per slice along H too (kernel 1)
+}
+
+
+def _family(names: tuple[str, ...], rules: dict[str, _Rule]) -> _Along:
+    return dict.fromkeys(names, rules)
+
+
+_HUNYUAN_NAMES = ("AutoencoderKLHunyuanVideo", "HunyuanVideoEncoder3D",
+                  "HunyuanVideoDecoder3D")
+_LTX_NAMES = ("AutoencoderKLLTXVideo", "LTXVideoEncoder3d", "LTXVideoDecoder3d")
+_ALONG: dict[tuple[int, ...], _Along] = {
+    (3,): {**_family(_HUNYUAN_NAMES, _HUNYUAN_ROWS), **_family(_LTX_NAMES, _LTX_ROWS)},
+    (2, 3): {**_family(_HUNYUAN_NAMES, _HUNYUAN_TIME_ROWS),
+             **_family(_LTX_NAMES, _LTX_TIME_ROWS),
+             **_family(("AutoencoderKLMochi", "MochiEncoder3D", "MochiDecoder3D"),
+                       _MOCHI_TIME_ROWS)},
+}
+
+
+def _check_dims(dims: Any) -> tuple[int, ...]:
+    got = tuple(dims) if isinstance(dims, (tuple, list)) else None
+    if got not in ((2,), (3,), (2, 3)):
+        raise HaloError(f"plan_for takes dims=(2,) (T), (3,) (H) or (2, 3) (T and H on a "
+                        f"(t, h) mesh), got dims={dims!r}")
+    return got  # type: ignore[return-value]
+
+
+def _rules_along(name: str, dims: tuple[int, ...]) -> dict[str, _Rule]:
+    """The rules of `name`'s family for `dims`: the T rules, or those replacing them."""
+    rules = _PLANS[name]
+    if dims == (2,):
+        return rules
+    along = _ALONG[dims].get(name, {})
+    return {**{cls: rule if rule is _PASS else along.get(cls, _refused(cls, dims))
+               for cls, rule in rules.items()}, **along}
+
+
 # The VAE's own switches that change how `encode` / `decode` walk T, and how to turn each off.
 _FLAGS = {
     "use_tiling": "disable_tiling(): spatial tiles would each be sharded on their own",
@@ -862,7 +1153,22 @@ def _refuse_unknown(fqn: str, sub: nn.Module, model: str) -> None:
                     "DTensor's default dispatch (the whole clip gathered, or an error)")
 
 
-def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
+def _styles(rule: _Rule, sub: nn.Module, fqn: str) -> dict[str, ParallelStyle]:
+    """The styles a rule gives `sub` (and its children, by relative fqn); its refusal
+    names the layer."""
+    try:
+        style = rule[0](sub)
+    except HaloError as e:
+        if fqn and str(e).startswith(f"{fqn} "):
+            raise
+        raise HaloError(f"{fqn or '<root>'} ({type(sub).__name__}): {e}") from None
+    if isinstance(style, dict):
+        return style
+    return {} if style is None else {"": style}
+
+
+def plan_for(module: nn.Module, *, dims: tuple[int, ...] = (2,)
+             ) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of a diffusers video VAE, encoder or decoder.
 
     Every module is checked by class, with or without parameters: a class the plan knows
@@ -872,16 +1178,25 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
     encoding or decoding: HunyuanVideo's default) must be off. An `.encoder` or `.decoder`
     planned alone is for calling directly: only `plan_for(vae)` sees those switches.
 
+    `dims` picks the sharded dims of `(B, C, T, H, W)`: `(2,)` T (every model), `(3,)` H
+    (HunyuanVideo, LTX-Video with `patch_size=1`), `(2, 3)` T and H at once on a `(t, h)`
+    mesh (LTX-Video's encoder with `patch_size=1`), applied on the `t` axis
+    (`parallelize_module(vae, mesh["t"], plan)`) with the input
+    `[Shard(2), Shard(3)]`. A layer that cannot be sharded on `dims` raises `HaloError`
+    naming it and the dims when the plan is built.
+
     Args:
         module: `AutoencoderKLHunyuanVideo`, `AutoencoderKLCogVideoX`, `AutoencoderKLMochi`
             or `AutoencoderKLLTXVideo`, or its `.encoder` / `.decoder`.
+        dims: `(2,)`, `(3,)` or `(2, 3)`.
 
     Returns:
         `{fqn: style}` for every layer that needs one, relative to `module`.
 
     Raises:
         HaloError: for an unsupported class, a switch that is on (named, with how to turn
-            it off), or a layer the plan does not know (named by fqn).
+            it off), a layer the plan does not know (named by fqn), other `dims`, or a
+            layer that cannot be sharded on `dims` (named by fqn).
 
     Example::
         >>> plan = plan_for(vae.decoder)
@@ -889,6 +1204,7 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
         >>> vae.decoder(distribute_tensor(z, mesh, [Shard(2)])).shape  # z: (1, 16, 5, 8, 8)
         torch.Size([1, 3, 17, 64, 64])
     """
+    dims = _check_dims(dims)
     rules = _PLANS.get(type(module).__name__)
     if type(module).__name__ in ("AutoencoderKLWan", "WanEncoder3d", "WanDecoder3d"):
         raise HaloError(f"{type(module).__name__}: Wan's encode and decode are chunk loops "
@@ -898,6 +1214,7 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
         raise HaloError(f"no haloshard plan for {type(module).__name__}; supported: "
                         f"{sorted(_PLANS)} (diffusers=={DIFFUSERS_VERSION})")
     _check_flags(module)
+    rules = _rules_along(type(module).__name__, dims)
     plan: dict[str, ParallelStyle] = {}
     covered: list[str] = []
     for fqn, sub in module.named_modules():
@@ -907,9 +1224,8 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
         if rule is None:
             _refuse_unknown(fqn, sub, type(module).__name__)
             continue
-        style = rule[0](sub)
-        if style is not None:
-            plan[fqn] = style
+        for name, style in _styles(rule, sub, fqn).items():
+            plan[".".join(n for n in (fqn, name) if n)] = style
         if rule[1] is True:
             covered.append(fqn)
         elif rule[1]:  # names of children the style runs itself
