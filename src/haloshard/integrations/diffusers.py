@@ -547,7 +547,8 @@ class _MochiBlockForward(ShardedForward):
                                                      strict=True)):
             h, cache[f"resnet_{i}"] = resnet(h)
             if attn is not None:
-                h = h + _pixel_attention(attn, norm(h), self.dim)
+                attend = _pixel_attention if self.dim == 2 else _pixel_attention_rows
+                h = h + attend(attn, norm(h), self.dim)
         return h, cache
 
 
@@ -578,6 +579,33 @@ def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     o = (o / attn.rescale_output_factor).permute(0, 4, 3, 1, 2)
     if padded:
         o = o.narrow(dim, 0, n)
+    stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
+    return DTensor.from_local(o.contiguous(), site.mesh, site.placements, run_check=False,
+                              shape=h.shape, stride=stride)
+
+
+def _pixel_attention_rows(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
+    """`MochiVaeAttnProcessor2_0` with H sharded: each pixel attends along its own T,
+    which this rank holds whole: causal attention on this rank's rows, nothing moved."""
+    site = _dtensor_site(h, dim)
+    x, n = site.local, site.local.shape[dim]
+    if enabled_local_tensor_mode() is not None:  # as in _causal_attention: equal shapes
+        longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
+        x = F.pad(x, (0, 0, 0, lack(n, longest)))
+    tokens = x.permute(0, 3, 4, 2, 1).contiguous()  # (B, H_r, W, T, C)
+
+    def heads(lin: nn.Module, norm: nn.Module | None) -> torch.Tensor:
+        t = lin(tokens)
+        t = t.unflatten(-1, (attn.heads, t.shape[-1] // attn.heads)).transpose(-3, -2)
+        return norm(t) if norm is not None else t  # (B, H_r, W, heads, T, E)
+
+    q, k, v = heads(attn.to_q, attn.norm_q), heads(attn.to_k, attn.norm_k), \
+        heads(attn.to_v, None)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o = attn.to_out[1](attn.to_out[0](o.transpose(-3, -2).flatten(-2)))  # (B, H_r, W, T, C)
+    if attn.residual_connection:
+        o = o + tokens
+    o = (o / attn.rescale_output_factor).permute(0, 4, 3, 1, 2).narrow(dim, 0, n)
     stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
     return DTensor.from_local(o.contiguous(), site.mesh, site.placements, run_check=False,
                               shape=h.shape, stride=stride)
@@ -622,7 +650,8 @@ class MochiBlockParallel(ParallelStyle):
         if type(module).__name__ not in ("MochiDownBlock3D", "MochiMidBlock3D"):
             raise HaloError(f"MochiBlockParallel applies to diffusers' MochiDownBlock3D and "
                             f"MochiMidBlock3D, got {type(module).__name__}")
-        _check_time_dim(self.dim, "MochiBlockParallel")
+        if self.dim != 3:  # H: every pixel's T is local, attention runs on the rows
+            _check_time_dim(self.dim, "MochiBlockParallel")
         for i, attn in enumerate(module.attentions):
             if attn is not None:
                 _check_mochi_attention(attn, f"attentions.{i}")
@@ -673,8 +702,8 @@ class _MochiUpForward(ShardedForward):
 
     copied = ("module", "previous", "expand")
 
-    def __init__(self, module: nn.Module, expand: nn.Module) -> None:
-        super().__init__(module, 2)
+    def __init__(self, module: nn.Module, expand: nn.Module, dim: int = 2) -> None:
+        super().__init__(module, dim)
         self.expand = expand
 
     def sharded(self, x: torch.Tensor, conv_cache: dict[str, Any] | None = None
@@ -706,11 +735,12 @@ class MochiUpBlockParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "MochiUpBlock3D", "MochiUpBlockParallel")
-        _check_time_dim(self.dim, "MochiUpBlockParallel")
+        if self.dim != 3:  # H: each row becomes spatial_expansion rows
+            _check_time_dim(self.dim, "MochiUpBlockParallel")
+        factor = module.temporal_expansion if self.dim == 2 else module.spatial_expansion
         expand = _MochiExpand(module)
-        attach(expand, Annotation(None, self.dim, RepeatStencil(module.temporal_expansion)),
-               device_mesh)
-        install(module, _MochiUpForward(module, expand))
+        attach(expand, Annotation(None, self.dim, RepeatStencil(factor)), device_mesh)
+        install(module, _MochiUpForward(module, expand, self.dim))
         return module
 
 
@@ -1066,6 +1096,18 @@ _HUNYUAN_TIME_ROWS: dict[str, _Rule] = {
     "GroupNorm": (lambda m: GroupNormParallel(), True),  # statistics over both axes
     "Conv3d": (lambda m: _pointwise(m), True),  # per slice along H too (kernel 1)
 }
+_MOCHI_ROWS: dict[str, _Rule] = {
+    "CogVideoXCausalConv3d": (_rows_causal_conv, True),  # F.pad of H, replicate
+    # per frame: (B*T, C, H, W) in its own forward, the GroupNorm's statistics over H
+    "MochiChunkedGroupNorm3D": (lambda m: {"norm_layer": GroupNormParallel()}, True),
+    "MochiDownBlock3D": (lambda m: MochiBlockParallel(dim=3), False),
+    "MochiMidBlock3D": (lambda m: MochiBlockParallel(dim=3), False),
+    "MochiUpBlock3D": (lambda m: MochiUpBlockParallel(dim=3), ("proj",)),
+    "Attention": (lambda m: None, True),  # run by the block's style
+    "FourierFeatures": (lambda m: LocalParallel(dim=3), True),
+    "Linear": (lambda m: LocalParallel(dim=2), True),  # channels-last: H at dim 2
+    "Conv3d": (_rows_pointwise, True),
+}
 _LTX_ROWS: dict[str, _Rule] = {
     "LTXVideoEncoder3d": (_ltx_patches_rows, False),
     "LTXVideoDecoder3d": (_ltx_decoder_rows, False),
@@ -1097,13 +1139,14 @@ def _family(names: tuple[str, ...], rules: dict[str, _Rule]) -> _Along:
 
 _HUNYUAN_NAMES = ("AutoencoderKLHunyuanVideo", "HunyuanVideoEncoder3D",
                   "HunyuanVideoDecoder3D")
+_MOCHI_NAMES = ("AutoencoderKLMochi", "MochiEncoder3D", "MochiDecoder3D")
 _LTX_NAMES = ("AutoencoderKLLTXVideo", "LTXVideoEncoder3d", "LTXVideoDecoder3d")
 _ALONG: dict[tuple[int, ...], _Along] = {
-    (3,): {**_family(_HUNYUAN_NAMES, _HUNYUAN_ROWS), **_family(_LTX_NAMES, _LTX_ROWS)},
+    (3,): {**_family(_HUNYUAN_NAMES, _HUNYUAN_ROWS), **_family(_LTX_NAMES, _LTX_ROWS),
+           **_family(_MOCHI_NAMES, _MOCHI_ROWS)},
     (2, 3): {**_family(_HUNYUAN_NAMES, _HUNYUAN_TIME_ROWS),
              **_family(_LTX_NAMES, _LTX_TIME_ROWS),
-             **_family(("AutoencoderKLMochi", "MochiEncoder3D", "MochiDecoder3D"),
-                       _MOCHI_TIME_ROWS)},
+             **_family(_MOCHI_NAMES, _MOCHI_TIME_ROWS)},
 }
 
 
