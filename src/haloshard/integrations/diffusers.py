@@ -83,6 +83,7 @@ from haloshard._layer_styles import (
 from haloshard._layout import HaloShard, PadMode, lack, shard_size_and_offset, shard_sizes
 from haloshard._masked_attention import frame_attention
 from haloshard._norms import group_norm
+from haloshard._specs import ConvStencil
 from haloshard._styles import HaloParallel
 from haloshard.integrations._cogvideox import cogvideox_decode, cogvideox_encode
 from haloshard.integrations._ltx import LTXDownsamplerParallel, SpaceToDepthStencil
@@ -444,10 +445,15 @@ class _SpatialNormForward(ShardedForward):
 
     def sharded(self, f: torch.Tensor, zq: torch.Tensor,
             conv_cache: dict[str, Any] | None = None) -> tuple[DTensor, dict[str, Any]]:
-        if not isinstance(f, DTensor) or not isinstance(zq, DTensor) or conv_cache:
+        # along H a conv_cache (the VAE's loop over frame batches) is harmless: the 1x1x1
+        # convs concatenate no cached frame
+        if not isinstance(f, DTensor) or not isinstance(zq, DTensor) or (
+                conv_cache and self.dim != 3):
             raise HaloError(f"CogSpatialNormParallel needs Shard({self.dim}) DTensors f and zq "
                             f"and no conv_cache, got {type(f).__name__}, {type(zq).__name__}, "
                             f"conv_cache={bool(conv_cache)}")
+        if self.dim == 3:
+            return self._rows(f, zq)
         m, site, z_site = self.module, _dtensor_site(f, self.dim), _dtensor_site(zq, self.dim)
         group, n = (site.mesh, site.axis), site.local.shape[self.dim]
         world = site.mesh.size(site.axis)
@@ -469,6 +475,47 @@ class _SpatialNormForward(ShardedForward):
         y = DTensor.from_local(out, site.mesh, site.placements, run_check=False, shape=f.shape,
                                stride=stride)
         return y, {"conv_y": None, "conv_b": None}
+
+
+    def _rows(self, f: DTensor, zq: DTensor) -> tuple[DTensor, dict[str, Any]]:
+        """H sharded: zq gathered along H and resized as the module does (T is whole
+        here), then this rank's rows picked; `norm_layer` with statistics over H."""
+        m, site, z_site = self.module, _dtensor_site(f, 3), _dtensor_site(zq, 3)
+        group, n = (site.mesh, site.axis), site.local.shape[3]
+        (z_all,) = gather_many((z_site.local,), 3, group, global_length=z_site.length,
+                               reuse=_reuse(m, z_site))
+        frames, width = f.shape[2], f.shape[4]
+        if frames > 1 and frames % 2 == 1:  # the module's rule: the first frame apart
+            z_all = torch.cat([F.interpolate(z_all[:, :, :1], size=(1, site.length, width)),
+                               F.interpolate(z_all[:, :, 1:],
+                                             size=(frames - 1, site.length, width))], dim=2)
+        else:
+            z_all = F.interpolate(z_all, size=(frames, site.length, width))
+        world = site.mesh.size(site.axis)
+        longest = shard_sizes(site.length, world)[0] if enabled_local_tensor_mode() \
+            is not None else None
+        index = _chunk_rows(site.mesh.get_local_rank(site.axis), site.length, world,
+                            longest, f.device)
+        z_local = z_all.index_select(3, index)
+        conv_y, conv_b = (conv(z_local)[0].narrow(3, 0, n) for conv in (m.conv_y, m.conv_b))
+        gn = m.norm_layer
+        norm_f = group_norm(site.local, gn.num_groups, gn.weight, gn.bias, gn.eps, group,
+                            dim=3)
+        stride = tuple(math.prod(f.shape[i + 1 :]) for i in range(f.ndim))
+        y = DTensor.from_local(norm_f * conv_y + conv_b, site.mesh, site.placements,
+                               run_check=False, shape=f.shape, stride=stride)
+        return y, {"conv_y": None, "conv_b": None}
+
+
+@maybe_run_for_local_tensor
+def _chunk_rows(rank: int, length: int, world: int, rows: int | None,
+                device: torch.device) -> torch.Tensor:
+    """This rank's `Shard` rows of `length`, padded with row 0 to `rows` (or to one row
+    for an empty chunk: the 1x1x1 convs refuse an empty input)."""
+    size, offset = shard_size_and_offset(length, world, rank)
+    picked = torch.arange(offset, offset + size)
+    want = rows if rows is not None else max(size, 1)
+    return torch.cat([picked, picked.new_zeros(want - size)]).to(device)
 
 
 @maybe_run_for_local_tensor
@@ -518,10 +565,12 @@ class CogSpatialNormParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "CogVideoXSpatialNorm3D", "CogSpatialNormParallel")
-        _check_time_dim(self.dim, "CogSpatialNormParallel")
+        if self.dim != 3:  # H: zq gathered along H, resized, this rank's rows
+            _check_time_dim(self.dim, "CogSpatialNormParallel")
         for name in ("conv_y", "conv_b"):
             conv = getattr(module, name).conv
-            if tuple(conv.kernel_size) != (1, 1, 1) or tuple(conv.stride) != (1, 1, 1):
+            if (tuple(conv.kernel_size) != (1, 1, 1) or tuple(conv.stride) != (1, 1, 1)
+                    or getattr(module, name).time_kernel_size != 1):
                 raise HaloError(f"CogSpatialNormParallel expects 1x1x1 convs, {name} has "
                                 f"kernel {conv.kernel_size}, stride {conv.stride}")
         install(module, _SpatialNormForward(module, self.dim))
@@ -1108,6 +1157,42 @@ _MOCHI_ROWS: dict[str, _Rule] = {
     "Linear": (lambda m: LocalParallel(dim=2), True),  # channels-last: H at dim 2
     "Conv3d": (_rows_pointwise, True),
 }
+def _cog_rows_conv(module: nn.Module) -> ParallelStyle | dict[str, ParallelStyle]:
+    """CogVideoX's causal conv with H sharded: replicate mode pads H with `F.pad`
+    (Mochi's), constant mode leaves H to its conv's own zero padding (its `torch.cat` of
+    first frames is along T, whole here)."""
+    if module.pad_mode == "replicate":
+        return _rows_causal_conv(module)
+    return {"conv": HaloParallel(dim=3)}
+
+
+def _cog_rows_resample(module: nn.Module) -> ParallelStyle:
+    """CogVideoX's samplers along H: down pads one zero row at the end, then a 3x3 conv
+    of stride 2; up repeats each row twice (nearest), then a 3x3 conv with padding 1.
+    Each runs unedited on a window of rows; T (their first-frame rule) is whole here."""
+    conv = module.conv
+    k, stride, pad = conv.kernel_size[0], conv.stride[0], conv.padding[0]
+    if type(module).__name__ == "CogVideoXDownsample3D":
+        if (k, stride, pad) != (3, 2, 0):
+            raise HaloError(f"CogVideoXDownsample3D along H expects a 3x3 conv of stride 2 "
+                            f"and no padding, got kernel {k}, stride {stride}, padding {pad}")
+        stencil: Any = ConvStencil(span=3, stride=2, pad_right=1)
+    else:
+        if (k, stride, pad) != (3, 1, 1):
+            raise HaloError(f"CogVideoXUpsample3D along H expects a 3x3 conv of stride 1 "
+                            f"and padding 1, got kernel {k}, stride {stride}, padding {pad}")
+        stencil = RepeatConvStencil(2, 1, pad="zeros")
+    return HaloParallel(stencil, dim=3)
+
+
+_COGVIDEOX_ROWS: dict[str, _Rule] = {
+    "CogVideoXCausalConv3d": (_cog_rows_conv, True),
+    "CogVideoXDownsample3D": (_cog_rows_resample, True),
+    "CogVideoXUpsample3D": (_cog_rows_resample, True),
+    "CogVideoXSpatialNorm3D": (lambda m: CogSpatialNormParallel(dim=3), True),
+    "CogVideoXSafeConv3d": (_rows_pointwise, True),
+    "GroupNorm": (lambda m: GroupNormParallel(dim=3), True),
+}
 _LTX_ROWS: dict[str, _Rule] = {
     "LTXVideoEncoder3d": (_ltx_patches_rows, False),
     "LTXVideoDecoder3d": (_ltx_decoder_rows, False),
@@ -1143,7 +1228,9 @@ _MOCHI_NAMES = ("AutoencoderKLMochi", "MochiEncoder3D", "MochiDecoder3D")
 _LTX_NAMES = ("AutoencoderKLLTXVideo", "LTXVideoEncoder3d", "LTXVideoDecoder3d")
 _ALONG: dict[tuple[int, ...], _Along] = {
     (3,): {**_family(_HUNYUAN_NAMES, _HUNYUAN_ROWS), **_family(_LTX_NAMES, _LTX_ROWS),
-           **_family(_MOCHI_NAMES, _MOCHI_ROWS)},
+           **_family(_MOCHI_NAMES, _MOCHI_ROWS),
+           **_family(("AutoencoderKLCogVideoX", "CogVideoXEncoder3D", "CogVideoXDecoder3D"),
+                     _COGVIDEOX_ROWS)},
     (2, 3): {**_family(_HUNYUAN_NAMES, _HUNYUAN_TIME_ROWS),
              **_family(_LTX_NAMES, _LTX_TIME_ROWS),
              **_family(_MOCHI_NAMES, _MOCHI_TIME_ROWS)},
