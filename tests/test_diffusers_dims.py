@@ -218,6 +218,9 @@ def test_cogvideox_loop_rows_simulated(part: str, shape: tuple[int, ...]) -> Non
 @pytest.mark.parametrize(("name", "part", "shape"), [
     ("ltx", "encoder", (1, 3, 9, 16, 8)),  # 5, 4 frames x 8, 8 rows
     ("ltx", "encoder", (1, 3, 5, 6, 4)),  # 3, 2 x 3, 3 -> 2, 1 x 2, 1 -> 1, 0 x 1, 0
+    # 2, 1 x 2, 1: the upsamplers on windows of frames and of rows (conv, depth-to-space)
+    ("ltx", "decoder", (1, 4, 3, 3, 2)),
+    ("ltx_residual", "decoder", (1, 4, 3, 3, 2)),
 ])
 def test_time_rows_simulated(name: str, part: str, shape: tuple[int, ...]) -> None:
     with simulated_mesh((2, 2), mesh_dim_names=("t", "h")) as mesh:
@@ -372,6 +375,8 @@ def on_gloo(dims: tuple[int, ...]) -> None:
     else:
         mesh = worker_mesh((world // 2, 2), mesh_dim_names=("t", "h"))
         case(mesh, "ltx", "encoder", (1, 3, 5, 6, 4), dims)  # 3, 2 frames x 3, 3 rows
+        case(worker_mesh((world // 2, 2), mesh_dim_names=("t", "h")), "ltx", "decoder",
+             (1, 4, 3, 3, 2), dims)
     case_no_grad(mesh, "hunyuan" if dims == (3,) else "ltx",
                  "decoder" if dims == (3,) else "encoder",
                  (1, 4, 3, 3, 2) if dims == (3,) else (1, 3, 5, 6, 4), dims)

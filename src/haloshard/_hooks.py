@@ -246,6 +246,9 @@ class _HaloForward(ShardedForward):
         self.per_slice: tuple[int, ...] = ()
         # other sharded dims a causal wrapper pads itself (`F.pad`): the halo replaces it
         self.own_pads: dict[int, HaloShard] = {}
+        # other sharded dims along which a style knows the module's stencil: it runs
+        # unedited on its window there too (its own padding kept, reaching dropped outputs)
+        self.stencils: dict[int, Stencil] = {}
 
     def fresh(self) -> None:
         # Agreements of earlier calls, by global signature: a layer validates its arguments
@@ -364,6 +367,8 @@ class _HaloForward(ShardedForward):
         """
         if d in self.per_slice:
             return None
+        if d in self.stencils:
+            return self.stencils[d], self.module
         module = self.module
         own = self.annotation.spec is None and not self.wraps_one_conv
         convs = [module] if own else [m for m in module.modules() if isinstance(m, DERIVABLE)]
@@ -393,6 +398,8 @@ class _HaloForward(ShardedForward):
         try:
             with ExitStack() as stack:
                 for d, found in across.items():
+                    if d in self.stencils:  # the module keeps its own padding along d
+                        continue
                     if found is not None:
                         stack.enter_context(_swapped(found[1], local_attrs(found[1], d)))
                     # padding d any other way would shift the halo (or pad a chunk's edge);

@@ -45,6 +45,7 @@ diffusers is imported only when a function here is called.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Callable
@@ -268,7 +269,16 @@ class HunyuanUpsampleParallel(ParallelStyle):
                             f"{wrapper.time_causal_padding}, pad_mode {wrapper.pad_mode!r}")
         attach(module, Annotation(None, self.dim, UpCausalStencil(int(factor), span)),
                device_mesh)
+        _also_rows(module, _hunyuan_rows)
         return module
+
+
+def _also_rows(module: nn.Module, rows: Callable[[nn.Module], Any]) -> None:
+    """With H sharded too (T and H on a `(t, h)` mesh), the module runs on a window of
+    rows as well (`rows(module)`'s stencil); a module whose rows have no stencil here
+    raises `HaloError` when its input is sharded on H too."""
+    with contextlib.suppress(HaloError):
+        module.forward.stencils = {3: rows(module)}
 
 
 def _hunyuan_rows(module: nn.Module) -> RepeatConvStencil:
@@ -879,6 +889,7 @@ class LTXUpsamplerParallel(ParallelStyle):
         before, after = (k - 1, 0) if conv.is_causal else ((k - 1) // 2, (k - 1) // 2)
         stencil = ConvDepthToSpaceStencil(module.stride[0], before, after)
         attach(module, Annotation(None, self.dim, stencil), device_mesh)
+        _also_rows(module, _ltx_rows)
         return module
 
 
@@ -1141,6 +1152,7 @@ _HUNYUAN_ROWS: dict[str, _Rule] = {
     "Conv3d": (_rows_pointwise, True),
 }
 _HUNYUAN_TIME_ROWS: dict[str, _Rule] = {
+    "HunyuanVideoUpsampleCausal3D": (lambda m: HunyuanUpsampleParallel(), True),
     "HunyuanVideoCausalConv3d": (_time_rows_causal_conv, True),
     "GroupNorm": (lambda m: GroupNormParallel(), True),  # statistics over both axes
     "Conv3d": (lambda m: _pointwise(m), True),  # per slice along H too (kernel 1)
@@ -1207,6 +1219,7 @@ _LTX_TIME_ROWS: dict[str, _Rule] = {
     "LTXVideoEncoder3d": (_ltx_patches_rows, False),
     "LTXVideoDecoder3d": (_ltx_decoder_time_rows, False),
     "LTXVideoCausalConv3d": (_ltx_causal_conv, True),  # the H halo from its conv
+    "LTXVideoUpsampler3d": (lambda m: LTXUpsamplerParallel(), True),  # windows on both
     "RMSNorm": (lambda m: LocalParallel(dim=1, local_dims=(2,)), True),
     "LayerNorm": (lambda m: LocalParallel(dim=1, local_dims=(2,)), True),
     "LTXVideoResnetBlock3d": (_no_timestep, False),
