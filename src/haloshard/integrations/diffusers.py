@@ -40,6 +40,12 @@ slicing, framewise encoding or decoding). The styles that only these models need
   T per pixel, and depth-to-space along T.
 - `LTXUpsamplerParallel`: a conv before depth-to-space along T, on windows with its reach.
 
+`plan_for(module, dims=(3,))` shards H instead (every model above but Wan), and
+`dims=(2, 3)` T and H at once on a `(t, h)` mesh (LTX-Video); the styles above then take
+`dim=3`, or a stencil along H beside their T one (`RepeatConvStencil`,
+`ConvRepeatStencil`). A layer that cannot be sharded on the dims asked for raises
+`HaloError` naming it when the plan is built.
+
 diffusers is imported only when a function here is called.
 """
 
@@ -130,13 +136,14 @@ def _check_class(module: nn.Module, name: str, style: str) -> None:
 
 
 def _check_time_dim(dim: int, style: str) -> None:
-    """The styles here implement their module's rule along T (dim 2 of `(B, C, T, H, W)`):
-    first frames, causal masks, depth-to-space along T. Along H that rule would be applied
-    to the wrong axis (wrong numbers, no error), so another dim is refused."""
-    if dim != 2:
+    """The styles here implement their module's rule along T (dim 2 of `(B, C, T, H, W)`:
+    first frames, causal masks, depth-to-space along T) and along H (dim 3, each its own
+    way); along W that rule would be applied to the wrong axis (wrong numbers, no error),
+    so another dim is refused."""
+    if dim not in (2, 3):
         raise HaloError(f"{style} implements its module's rule along T (dim 2 of (B, C, T, "
-                        f"H, W)) only, got dim={dim}; expected dim=2 (shard H with the "
-                        "generic styles, e.g. HaloParallel for a conv)")
+                        f"H, W)) and H (dim 3) only, got dim={dim}; expected dim=2 or 3 "
+                        "(shard W with the generic styles, e.g. HaloParallel for a conv)")
 
 
 # ---------------------------------------------------------------- HunyuanVideo upsampler
@@ -423,10 +430,13 @@ class HunyuanMidBlockParallel(ParallelStyle):
     does, with `frame_attention(causal=True)` in place of SDPA over a dense mask. Memory per
     rank: the full K and V, and scores for this rank's queries only (`N / P * N` per head).
 
+    With H sharded (`dim=3`), K and V are gathered along H and each frame's queries
+    attend to the tokens of the frames up to their own, one frame at a time.
+
     Raises:
-        HaloError: in `_apply` for another class, a dim other than 2 (T), or an attention
-            this style does not know (another processor, cross attention, extra norms); at
-            run time for a plain tensor input.
+        HaloError: in `_apply` for another class, a dim other than 2 (T) or 3 (H), or an
+            attention this style does not know (another processor, cross attention, extra
+            norms); at run time for a plain tensor input.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -560,9 +570,14 @@ class CogSpatialNormParallel(ParallelStyle):
     `conv_b` run on those frames and `norm_layer` runs as `group_norm` with global
     statistics. The returned cache is None (as for the other halo modules).
 
+    With H sharded (`dim=3`), zq is gathered along H and resized the same way, each
+    rank keeping its rows; T is whole, so the VAE's own frame-batch loop runs unchanged
+    (its conv_cache is accepted: the 1x1x1 convs concatenate no cached frame).
+
     Raises:
-        HaloError: in `_apply` for another class, a dim other than 2 (T), or convs that
-            are not 1x1x1; at run time for plain-tensor inputs or a conv_cache.
+        HaloError: in `_apply` for another class, a dim other than 2 (T) or 3 (H), or
+            convs that are not 1x1x1; at run time for plain-tensor inputs, or a
+            conv_cache along T.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -692,9 +707,13 @@ class MochiBlockParallel(ParallelStyle):
     `frame_attention(causal=True)` over keys and values gathered along T. Memory: every rank
     holds the block's full K and V (`2 * B * T * H * W * C`): all pixels attend along T.
 
+    With H sharded (`dim=3`) every pixel's T is on its rank: the attention runs on this
+    rank's rows and nothing moves.
+
     Raises:
-        HaloError: in `_apply` for another class, a dim other than 2 (T), or an attention
-            it does not know; at run time for a plain tensor input or a conv_cache.
+        HaloError: in `_apply` for another class, a dim other than 2 (T) or 3 (H), or an
+            attention it does not know; at run time for a plain tensor input or a
+            conv_cache.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -780,8 +799,10 @@ class MochiUpBlockParallel(ParallelStyle):
     its per-token `proj` and depth-to-space (each frame becomes `temporal_expansion`
     frames) on the window of input frames this rank's output frames come from.
 
+    With H sharded (`dim=3`), each row becomes `spatial_expansion` rows instead.
+
     Raises:
-        HaloError: in `_apply` for another class or a dim other than 2 (T).
+        HaloError: in `_apply` for another class or a dim other than 2 (T) or 3 (H).
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -1321,12 +1342,15 @@ def plan_for(module: nn.Module, *, dims: tuple[int, ...] = (2,)
     encoding or decoding: HunyuanVideo's default) must be off. An `.encoder` or `.decoder`
     planned alone is for calling directly: only `plan_for(vae)` sees those switches.
 
-    `dims` picks the sharded dims of `(B, C, T, H, W)`: `(2,)` T (every model), `(3,)` H
-    (HunyuanVideo, LTX-Video with `patch_size=1`), `(2, 3)` T and H at once on a `(t, h)`
-    mesh (LTX-Video's encoder with `patch_size=1`), applied on the `t` axis
-    (`parallelize_module(vae, mesh["t"], plan)`) with the input
-    `[Shard(2), Shard(3)]`. A layer that cannot be sharded on `dims` raises `HaloError`
-    naming it and the dims when the plan is built.
+    `dims` picks the sharded dims of `(B, C, T, H, W)`: `(2,)` T (every model); `(3,)` H
+    (HunyuanVideo, CogVideoX with its own `_encode` / `_decode` frame-batch loops, Mochi,
+    LTX-Video with `patch_size=1`), applied on a 1-D mesh with the input `Shard(3)`;
+    `(2, 3)` T and H at once (LTX-Video with `patch_size=1` and no timestep
+    conditioning), applied on the `t` axis of a `(t, h)` mesh
+    (`parallelize_module(vae, mesh["t"], plan)`) with the input `[Shard(2), Shard(3)]`. A
+    layer that cannot be sharded on `dims` raises `HaloError` naming it and the dims when
+    the plan is built (on T and H: HunyuanVideo's mid-block, CogVideoX's and Mochi's
+    layers).
 
     Args:
         module: `AutoencoderKLHunyuanVideo`, `AutoencoderKLCogVideoX`, `AutoencoderKLMochi`
