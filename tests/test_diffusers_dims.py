@@ -58,6 +58,21 @@ def hunyuan() -> nn.Module:
         return vae.double().eval()
 
 
+def hunyuan_plain() -> nn.Module:
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    with single_device():  # no mid-block attention: the configuration planned on T and H
+        torch.manual_seed(0)
+        vae = AutoencoderKLHunyuanVideo(
+            in_channels=3, out_channels=3, latent_channels=4,
+            down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+            block_out_channels=(8, 8, 8), layers_per_block=1, norm_num_groups=2,
+            spatial_compression_ratio=4, temporal_compression_ratio=4,
+            mid_block_add_attention=False)
+        return vae.double().eval()
+
+
 def ltx() -> nn.Module:
     from diffusers import AutoencoderKLLTXVideo
 
@@ -108,7 +123,7 @@ def cogvideox() -> nn.Module:
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
-    "cogvideox": cogvideox,
+    "cogvideox": cogvideox, "hunyuan_plain": hunyuan_plain,
     "hunyuan": hunyuan, "ltx": ltx, "ltx_residual": ltx_residual, "mochi": mochi}
 
 
@@ -221,6 +236,10 @@ def test_cogvideox_loop_rows_simulated(part: str, shape: tuple[int, ...]) -> Non
     # 2, 1 x 2, 1: the upsamplers on windows of frames and of rows (conv, depth-to-space)
     ("ltx", "decoder", (1, 4, 3, 3, 2)),
     ("ltx_residual", "decoder", (1, 4, 3, 3, 2)),
+    # causal convs padding H themselves (stride 2 on T, H, W), GroupNorm over both axes
+    ("hunyuan_plain", "encoder", (1, 3, 9, 8, 6)),  # 5, 4 x 4, 4 -> 3, 2 x 2, 2 -> ...
+    # 2, 1 x 2, 1: the upsampler on windows of frames and of rows
+    ("hunyuan_plain", "decoder", (1, 4, 3, 3, 2)),
 ])
 def test_time_rows_simulated(name: str, part: str, shape: tuple[int, ...]) -> None:
     with simulated_mesh((2, 2), mesh_dim_names=("t", "h")) as mesh:

@@ -1172,7 +1172,19 @@ _HUNYUAN_ROWS: dict[str, _Rule] = {
     "GroupNorm": (lambda m: GroupNormParallel(dim=3), True),
     "Conv3d": (_rows_pointwise, True),
 }
+def _mid_block_time_rows(module: nn.Module) -> None:
+    """HunyuanVideo's mid-block on T and H: without attention it only calls its resnets
+    (each planned); its block-causal attention over T*H*W tokens is planned on T or on H,
+    not on both at once."""
+    if any(attn is not None for attn in module.attentions):
+        raise HaloError("HunyuanVideoMidBlock3D's block-causal attention cannot be sharded "
+                        "on dims (2, 3) by this plan: HunyuanMidBlockParallel gathers K/V "
+                        "along one dim; expected dims=(2,) or (3,), or "
+                        "mid_block_add_attention=False")
+
+
 _HUNYUAN_TIME_ROWS: dict[str, _Rule] = {
+    "HunyuanVideoMidBlock3D": (_mid_block_time_rows, False),
     "HunyuanVideoUpsampleCausal3D": (lambda m: HunyuanUpsampleParallel(), True),
     "HunyuanVideoCausalConv3d": (_time_rows_causal_conv, True),
     "GroupNorm": (lambda m: GroupNormParallel(), True),  # statistics over both axes
