@@ -58,21 +58,6 @@ def hunyuan() -> nn.Module:
         return vae.double().eval()
 
 
-def hunyuan_plain() -> nn.Module:
-    from diffusers import AutoencoderKLHunyuanVideo
-
-    with single_device():  # no mid-block attention: the configuration planned on T and H
-        torch.manual_seed(0)
-        vae = AutoencoderKLHunyuanVideo(
-            in_channels=3, out_channels=3, latent_channels=4,
-            down_block_types=("HunyuanVideoDownBlock3D",) * 3,
-            up_block_types=("HunyuanVideoUpBlock3D",) * 3,
-            block_out_channels=(8, 8, 8), layers_per_block=1, norm_num_groups=2,
-            spatial_compression_ratio=4, temporal_compression_ratio=4,
-            mid_block_add_attention=False)
-        return vae.double().eval()
-
-
 def ltx() -> nn.Module:
     from diffusers import AutoencoderKLLTXVideo
 
@@ -123,7 +108,7 @@ def cogvideox() -> nn.Module:
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
-    "cogvideox": cogvideox, "hunyuan_plain": hunyuan_plain,
+    "cogvideox": cogvideox,
     "hunyuan": hunyuan, "ltx": ltx, "ltx_residual": ltx_residual, "mochi": mochi}
 
 
@@ -236,10 +221,13 @@ def test_cogvideox_loop_rows_simulated(part: str, shape: tuple[int, ...]) -> Non
     # 2, 1 x 2, 1: the upsamplers on windows of frames and of rows (conv, depth-to-space)
     ("ltx", "decoder", (1, 4, 3, 3, 2)),
     ("ltx_residual", "decoder", (1, 4, 3, 3, 2)),
-    # causal convs padding H themselves (stride 2 on T, H, W), GroupNorm over both axes
-    ("hunyuan_plain", "encoder", (1, 3, 9, 8, 6)),  # 5, 4 x 4, 4 -> 3, 2 x 2, 2 -> ...
+    # causal convs padding H themselves (stride 2 on T, H, W), GroupNorm over both axes,
+    # the mid-block's block-causal attention with K/V gathered along H, then T
+    ("hunyuan", "encoder", (1, 3, 9, 8, 6)),  # 5, 4 x 4, 4 -> 3, 2 x 2, 2 -> 2, 1 x 1, 1
+    ("hunyuan", "encoder", (1, 3, 5, 4, 6)),  # ... mid-block: 1, 1 frames x 1, 0 rows
     # 2, 1 x 2, 1: the upsampler on windows of frames and of rows
-    ("hunyuan_plain", "decoder", (1, 4, 3, 3, 2)),
+    ("hunyuan", "decoder", (1, 4, 3, 3, 2)),
+    ("hunyuan", "decoder", (1, 4, 1, 3, 2)),  # 1, 0 frames: an empty shard on t
 ])
 def test_time_rows_simulated(name: str, part: str, shape: tuple[int, ...]) -> None:
     with simulated_mesh((2, 2), mesh_dim_names=("t", "h")) as mesh:
@@ -294,7 +282,6 @@ def test_wrapper_pads_checked() -> None:
     # the first layer, in module order, that cannot be sharded on dims
     (cogvideox, (2, 3), r"^conv_in \(CogVideoXCausalConv3d\): .*dims \(2, 3\)"),
     (mochi, (2, 3), r"^fourier_features \(FourierFeatures\): .*dims \(2, 3\)"),
-    (hunyuan, (2, 3), r"^mid_block \(HunyuanVideoMidBlock3D\): .*dims \(2, 3\)"),
 ])
 def test_refused_when_built(factory: Callable[[], nn.Module], dims: tuple[int, ...],
                             named: str) -> None:
@@ -396,6 +383,8 @@ def on_gloo(dims: tuple[int, ...]) -> None:
         case(mesh, "ltx", "encoder", (1, 3, 5, 6, 4), dims)  # 3, 2 frames x 3, 3 rows
         case(worker_mesh((world // 2, 2), mesh_dim_names=("t", "h")), "ltx", "decoder",
              (1, 4, 3, 3, 2), dims)
+        case(worker_mesh((world // 2, 2), mesh_dim_names=("t", "h")), "hunyuan", "decoder",
+             (1, 4, 3, 3, 2), dims)  # 2, 1 frames x 2, 1 rows: the mid-block's attention
     case_no_grad(mesh, "hunyuan" if dims == (3,) else "ltx",
                  "decoder" if dims == (3,) else "encoder",
                  (1, 4, 3, 3, 2) if dims == (3,) else (1, 3, 5, 6, 4), dims)

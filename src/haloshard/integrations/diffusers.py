@@ -41,8 +41,8 @@ slicing, framewise encoding or decoding). The styles that only these models need
 - `LTXUpsamplerParallel`: a conv before depth-to-space along T, on windows with its reach.
 
 `plan_for(module, dims=(3,))` shards H instead (every model above but Wan), and
-`dims=(2, 3)` T and H at once on a `(t, h)` mesh (LTX-Video); the styles above then take
-`dim=3`, or a stencil along H beside their T one (`RepeatConvStencil`,
+`dims=(2, 3)` T and H at once on a `(t, h)` mesh (HunyuanVideo, LTX-Video); the styles
+above then take `dim=3`, or a stencil along H beside their T one (`RepeatConvStencil`,
 `ConvRepeatStencil`). A layer that cannot be sharded on the dims asked for raises
 `HaloError` naming it when the plan is built.
 
@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from haloshard import _segments
@@ -308,6 +308,12 @@ def _hunyuan_rows(module: nn.Module) -> RepeatConvStencil:
 class _MidBlockForward(ShardedForward):
     """The mid-block's forward on a `Shard(T)` DTensor."""
 
+    def attend(self, h: DTensor) -> Callable[[nn.Module, DTensor, int], DTensor]:
+        if self.dim == 3:
+            return _causal_attention_rows
+        both = any(p == Shard(3) for p in h.placements)
+        return _causal_attention_both if both else _causal_attention
+
     def sharded(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, DTensor):
             raise HaloError(f"HunyuanMidBlockParallel needs a Shard({self.dim}) DTensor input, "
@@ -321,8 +327,7 @@ class _MidBlockForward(ShardedForward):
         h = run(m.resnets[0], x)
         for attn, resnet in zip(m.attentions, m.resnets[1:], strict=True):
             if attn is not None:
-                attend = _causal_attention if self.dim == 2 else _causal_attention_rows
-                h = attend(attn, h, self.dim)
+                h = self.attend(h)(attn, h, self.dim)
             h = run(resnet, h)
         return h
 
@@ -405,6 +410,62 @@ def _causal_attention_rows(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
                               stride=stride)
 
 
+def _causal_attention_both(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
+    """`_causal_attention` with T and H sharded (on two mesh axes): K and V gathered along
+    H, then along T; this rank's queries attend one local frame at a time to every token,
+    the keys of later frames masked (scores for one frame's queries at once)."""
+    site = _dtensor_site(h, dim, several=True)
+    if [d for _, d in site.others] != [3]:
+        raise HaloError(f"HunyuanMidBlockParallel takes T, or T and H, sharded; got "
+                        f"placements {site.placements}")
+    t_group, h_group = (site.mesh, site.axis), (site.mesh, site.others[0][0])
+    x, height = site.local, h.shape[3]
+    gn = attn.group_norm
+    y = x if gn is None else group_norm(x, gn.num_groups, gn.weight, gn.bias, gn.eps,
+                                        t_group, dim=dim, other_groups=[h_group])
+    n_t, n_h = x.shape[2], x.shape[3]
+    rows_t, rows_h, padded = n_t, n_h, enabled_local_tensor_mode() is not None
+    if padded:  # simulated ranks: every chunk padded to the longest, as in _causal_attention
+        rows_t = shard_sizes(site.length, site.mesh.size(site.axis))[0]
+        rows_h = shard_sizes(height, site.mesh.size(site.others[0][0]))[0]
+        y = F.pad(y, (0, 0, 0, lack(n_h, rows_h), 0, lack(n_t, rows_t)))
+    tokens = y.movedim(1, -1).contiguous()  # (B, T_r, H_r, W, C)
+    q, k, v = (lin(tokens).unflatten(-1, (attn.heads, -1)).permute(0, 4, 1, 2, 3, 5)
+               .contiguous() for lin in (attn.to_q, attn.to_k, attn.to_v))
+    k, v = (t.narrow(2, 0, n_t).narrow(3, 0, n_h) for t in (k, v))
+    reuse = _reuse(attn, site)
+    k, v = gather_many((k, v), 3, h_group, global_length=height, reuse=reuse)
+    k, v = gather_many((k, v), 2, t_group, global_length=site.length, reuse=reuse)
+    k, v = k.flatten(2, 4), v.flatten(2, 4)  # (B, heads, T*H*W, E)
+    later = _later_tokens(site.mesh.get_local_rank(site.axis), site.length,
+                          site.mesh.size(site.axis), rows_t if padded else None,
+                          height * h.shape[4], x.device)  # (T_r, T*H*W)
+    frames = [F.scaled_dot_product_attention(q[:, :, i].flatten(2, 3), k, v,
+                                             attn_mask=~later[i : i + 1])
+              for i in range(rows_t)]
+    o = torch.stack(frames, 2).permute(0, 2, 3, 1, 4).flatten(-2)  # (B, T_r, H_r*W, C)
+    o = attn.to_out[1](attn.to_out[0](o)).unflatten(2, (rows_h, tokens.shape[3]))
+    o = o.narrow(1, 0, n_t).narrow(2, 0, n_h).movedim(-1, 1)
+    if attn.residual_connection:
+        o = o + x
+    o = o / attn.rescale_output_factor
+    stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
+    return DTensor.from_local(o, site.mesh, site.placements, run_check=False, shape=h.shape,
+                              stride=stride)
+
+
+@maybe_run_for_local_tensor
+def _later_tokens(rank: int, length: int, world: int, rows: int | None, per_frame: int,
+                  device: torch.device) -> torch.Tensor:
+    """For each of this rank's frames (padded to `rows`), which of the `length *
+    per_frame` key tokens belong to later frames. A padding row's frame lies beyond the
+    clip: it sees every key (no row all masked, no NaN in its dropped output)."""
+    size, offset = shard_size_and_offset(length, world, rank)
+    frame = torch.arange(rows if rows is not None else size) + offset
+    keys = torch.arange(length).repeat_interleave(per_frame)
+    return (keys[None, :] > frame[:, None]).to(device)
+
+
 def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     """`(B, T_r, H, W, heads * E) -> (B, heads, T_r, H * W, E)`."""
     t = t.unflatten(-1, (heads, t.shape[-1] // heads)).flatten(2, 3)
@@ -431,7 +492,9 @@ class HunyuanMidBlockParallel(ParallelStyle):
     rank: the full K and V, and scores for this rank's queries only (`N / P * N` per head).
 
     With H sharded (`dim=3`), K and V are gathered along H and each frame's queries
-    attend to the tokens of the frames up to their own, one frame at a time.
+    attend to the tokens of the frames up to their own, one frame at a time; with T and H
+    sharded on two mesh axes (`dim=2`, input `[Shard(2), Shard(3)]`), K and V are gathered
+    along H, then T, and the later frames' keys are masked, one local frame at a time.
 
     Raises:
         HaloError: in `_apply` for another class, a dim other than 2 (T) or 3 (H), or an
@@ -1172,19 +1235,9 @@ _HUNYUAN_ROWS: dict[str, _Rule] = {
     "GroupNorm": (lambda m: GroupNormParallel(dim=3), True),
     "Conv3d": (_rows_pointwise, True),
 }
-def _mid_block_time_rows(module: nn.Module) -> None:
-    """HunyuanVideo's mid-block on T and H: without attention it only calls its resnets
-    (each planned); its block-causal attention over T*H*W tokens is planned on T or on H,
-    not on both at once."""
-    if any(attn is not None for attn in module.attentions):
-        raise HaloError("HunyuanVideoMidBlock3D's block-causal attention cannot be sharded "
-                        "on dims (2, 3) by this plan: HunyuanMidBlockParallel gathers K/V "
-                        "along one dim; expected dims=(2,) or (3,), or "
-                        "mid_block_add_attention=False")
-
-
 _HUNYUAN_TIME_ROWS: dict[str, _Rule] = {
-    "HunyuanVideoMidBlock3D": (_mid_block_time_rows, False),
+    "HunyuanVideoMidBlock3D": (lambda m: HunyuanMidBlockParallel(), False),
+    "Attention": (lambda m: None, True),  # run by the mid-block's style
     "HunyuanVideoUpsampleCausal3D": (lambda m: HunyuanUpsampleParallel(), True),
     "HunyuanVideoCausalConv3d": (_time_rows_causal_conv, True),
     "GroupNorm": (lambda m: GroupNormParallel(), True),  # statistics over both axes
@@ -1357,12 +1410,11 @@ def plan_for(module: nn.Module, *, dims: tuple[int, ...] = (2,)
     `dims` picks the sharded dims of `(B, C, T, H, W)`: `(2,)` T (every model); `(3,)` H
     (HunyuanVideo, CogVideoX with its own `_encode` / `_decode` frame-batch loops, Mochi,
     LTX-Video with `patch_size=1`), applied on a 1-D mesh with the input `Shard(3)`;
-    `(2, 3)` T and H at once (LTX-Video with `patch_size=1` and no timestep
-    conditioning), applied on the `t` axis of a `(t, h)` mesh
+    `(2, 3)` T and H at once (HunyuanVideo, LTX-Video with `patch_size=1` and no
+    timestep conditioning), applied on the `t` axis of a `(t, h)` mesh
     (`parallelize_module(vae, mesh["t"], plan)`) with the input `[Shard(2), Shard(3)]`. A
     layer that cannot be sharded on `dims` raises `HaloError` naming it and the dims when
-    the plan is built (on T and H: HunyuanVideo's mid-block, CogVideoX's and Mochi's
-    layers).
+    the plan is built (on T and H: CogVideoX's and Mochi's layers).
 
     Args:
         module: `AutoencoderKLHunyuanVideo`, `AutoencoderKLCogVideoX`, `AutoencoderKLMochi`
