@@ -363,7 +363,9 @@ class _HaloForward(ShardedForward):
         (explicit spec, or `CausalConvParallel`) the one conv inside it, which must take
         the wrapper's input as it is (any `F.pad` or `torch.cat` of `d` raises at run time)
         unless the style names the wrapper's own `F.pad` of `d` (`own_pads`): the halo then
-        holds that padding, and the conv's kernel and stride along `d` give the reach.
+        holds that padding, and the conv's kernel and stride along `d` give the reach. A
+        style that knows the module's stencil along `d` (`stencils`) gives it: the module
+        runs unedited on its window along `d` too.
         """
         if d in self.per_slice:
             return None
