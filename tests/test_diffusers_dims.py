@@ -198,6 +198,33 @@ def test_rows_simulated(name: str, part: str, world: int, shape: tuple[int, ...]
         case(mesh, name, part, shape, (3,))
 
 
+# As in tests/test_diffusers.py: the timestep reaches every resnet through diffusers'
+# float32 sinusoidal projection, rounded in another order on each side (1.6e-5 relative
+# on the scalar `timestep_scale_multiplier`'s gradient on T); a misplaced row is O(1).
+TIMESTEP_TOL = {"atol": 1e-3, "rtol": 1e-3}
+
+
+@pytest.mark.simulated
+def test_ltx_timestep_rows_simulated() -> None:
+    """LTX-Video's timestep-conditioned decoder (`ReplicatedArgsParallel(dim=3)` on the
+    decoder and its resnets) with H sharded, the decode timestep a plain tensor."""
+    from diffusers import AutoencoderKLLTXVideo
+
+    with single_device():
+        torch.manual_seed(0)
+        dec = AutoencoderKLLTXVideo(
+            latent_channels=4, block_out_channels=(8,) * 4, layers_per_block=(1,) * 5,
+            decoder_block_out_channels=(8, 16, 32), decoder_layers_per_block=(1,) * 4,
+            decoder_spatio_temporal_scaling=(True,) * 3, decoder_inject_noise=(False,) * 4,
+            upsample_residual=(True,) * 3, upsample_factor=(2,) * 3,
+            timestep_conditioning=True, patch_size=1).double().eval().decoder
+    temb = torch.tensor([0.05], dtype=torch.float64)
+    with simulated_mesh(3) as mesh, _rms_in_input_dtype():
+        check(mesh, dec, plan_for(dec, dims=(3,)), seeded_randn((1, 4, 3, 3, 2), 1,
+                                                               torch.float64),
+              [Shard(3)], TIMESTEP_TOL, run=lambda m, z: m(z, temb))
+
+
 @pytest.mark.simulated
 @pytest.mark.parametrize(("part", "shape"), [
     ("encoder", (1, 3, 17, 8, 6)),  # frame batches 9, 8 with a conv_cache; 3, 3, 2 rows
