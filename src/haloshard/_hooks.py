@@ -376,7 +376,10 @@ class _HaloForward(ShardedForward):
         convs = [module] if own else [m for m in module.modules() if isinstance(m, DERIVABLE)]
         kind = _SPATIAL.get(type(convs[0])) if convs else None  # conv1d/2d/3d: 1/2/3
         ok = (len(convs) == 1 and self.local is None and isinstance(convs[0], DERIVABLE)
-              and (self.known if convs[0] is module else known_forward(convs[0]))
+              # a wrapper whose padding of d the style names (`own_pads`): the style
+              # vouches for the conv inside, as it does along the sharded dim
+              and (self.known if convs[0] is module
+                   else known_forward(convs[0]) or d in self.own_pads)
               and (kind is None or kind + 2 == ndim))
         if not ok:
             raise HaloError(
@@ -824,7 +827,10 @@ def _several_output(y: Any, site: _Site, plans: list[tuple[int, int, WindowPlan]
                     per_slice: list[int]) -> Any:
     """Narrow along each dim with a halo to this rank's outputs (a dim taken slice by slice
     must keep its length); a DTensor with the global output shape on the input's mesh and
-    placements."""
+    placements. A tuple's other elements come back as None, as in `_output`."""
+    if isinstance(y, tuple) and y and isinstance(y[0], torch.Tensor):
+        return (_several_output(y[0], site, plans, per_slice=per_slice),
+                *(None for _ in y[1:]))
     if not isinstance(y, torch.Tensor) or isinstance(y, DTensor):
         raise HaloError(f"a halo module must return a plain tensor from its local forward, "
                         f"got {type(y).__name__}")

@@ -41,9 +41,9 @@ slicing, framewise encoding or decoding). The styles that only these models need
 - `LTXUpsamplerParallel`: a conv before depth-to-space along T, on windows with its reach.
 
 `plan_for(module, dims=(3,))` shards H instead (every model above but Wan), and
-`dims=(2, 3)` T and H at once on a `(t, h)` mesh (HunyuanVideo, LTX-Video); the styles
-above then take `dim=3`, or a stencil along H beside their T one (`RepeatConvStencil`,
-`ConvRepeatStencil`). A layer that cannot be sharded on the dims asked for raises
+`dims=(2, 3)` T and H at once on a `(t, h)` mesh (HunyuanVideo, Mochi, LTX-Video); the
+styles above then take `dim=3`, or a stencil along H beside their T one
+(`RepeatConvStencil`, `ConvRepeatStencil`). A layer that cannot be sharded on the dims asked for raises
 `HaloError` naming it when the plan is built.
 
 diffusers is imported only when a function here is called.
@@ -691,13 +691,17 @@ class _MochiBlockForward(ShardedForward):
 
 def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     """`MochiVaeAttnProcessor2_0`: causal attention along T of each pixel's tokens
-    `(B*H*W, T, C)`, on this rank's frames; K/V gathered along T."""
-    site = _dtensor_site(h, dim)
+    `(B*H*W, T, C)`, on this rank's frames; K/V gathered along T. H (or W) may be
+    sharded too, on another mesh axis: each pixel's sequence is along T alone."""
+    site = _dtensor_site(h, dim, several=True)
     x, group, n = site.local, (site.mesh, site.axis), site.local.shape[dim]
+    kept = {d: x.shape[d] for _, d in site.others}
     padded = enabled_local_tensor_mode() is not None
     if padded:  # as in _causal_attention: equal shapes across simulated ranks
         longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
         x = F.pad(x, (0, 0, 0, 0, 0, lack(n, longest)))
+        for a, d in site.others:
+            x = _pad_end(x, d, shard_sizes(h.shape[d], site.mesh.size(a))[0])
     tokens = x.permute(0, 3, 4, 2, 1).contiguous()  # (B, H, W, T_r, C)
 
     def heads(lin: nn.Module, norm: nn.Module | None) -> torch.Tensor:
@@ -716,9 +720,52 @@ def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     o = (o / attn.rescale_output_factor).permute(0, 4, 3, 1, 2)
     if padded:
         o = o.narrow(dim, 0, n)
+        for d, rows in kept.items():
+            o = o.narrow(d, 0, rows)
     stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
     return DTensor.from_local(o.contiguous(), site.mesh, site.placements, run_check=False,
                               shape=h.shape, stride=stride)
+
+
+def _pad_end(x: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    """`x` padded with zeros at the end of `dim` to `rows` slices."""
+    return F.pad(x, [0, 0] * (x.ndim - 1 - dim) + [0, lack(x.shape[dim], rows)])
+
+
+class _FrameNormForward(ShardedForward):
+    """`MochiChunkedGroupNorm3D` (a GroupNorm per frame) with T and H sharded: the frames
+    are this rank's, each frame's statistics span the ranks sharing its rows."""
+
+    def sharded(self, x: torch.Tensor) -> DTensor:
+        if not isinstance(x, DTensor):
+            raise HaloError(f"MochiChunkedGroupNorm3D on T and H needs a DTensor input, got "
+                            f"{type(x).__name__}")
+        site = _dtensor_site(x, self.dim, several=True)
+        local, gn, n = site.local, self.module.norm_layer, site.local.shape[2]
+        if enabled_local_tensor_mode() is not None:
+            # simulated ranks: frames padded to the longest chunk (flattened into the
+            # batch below: a per-rank length there breaks LocalTensorMode); each padding
+            # frame is a sample of its own, dropped below
+            local = _pad_end(local, 2, shard_sizes(site.length, site.mesh.size(site.axis))[0])
+        # (T_r * B, C, H_r, W) by frames: concatenated, not flattened, since under
+        # LocalTensorMode a view over per-rank row counts cannot be decided
+        frames = torch.cat(local.unbind(2), 0)
+        rows = [(site.mesh, a) for a, _ in site.others]
+        y = gn(frames) if not rows else group_norm(
+            frames, gn.num_groups, gn.weight, gn.bias, gn.eps, rows[0], dim=2,
+            other_groups=rows[1:])
+        y = torch.stack(y.split(local.shape[0], 0), 2).narrow(2, 0, n)
+        return DTensor.from_local(y.contiguous(), site.mesh, site.placements,
+                                  run_check=False, shape=x.shape, stride=x.stride())
+
+
+class _FrameNormParallel(ParallelStyle):
+    """`MochiChunkedGroupNorm3D` on T and H (`_FrameNormForward`)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_class(module, "MochiChunkedGroupNorm3D", "_FrameNormParallel")
+        install(module, _FrameNormForward(module, 2))
+        return module
 
 
 def _pixel_attention_rows(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
@@ -883,6 +930,8 @@ class MochiUpBlockParallel(ParallelStyle):
         factor = module.temporal_expansion if self.dim == 2 else module.spatial_expansion
         expand = _MochiExpand(module)
         attach(expand, Annotation(None, self.dim, RepeatStencil(factor)), device_mesh)
+        if self.dim == 2:  # with H sharded too, each row becomes spatial_expansion rows
+            _also_rows(expand, lambda m: RepeatStencil(module.spatial_expansion))
         install(module, _MochiUpForward(module, expand, self.dim))
         return module
 
@@ -1312,6 +1361,13 @@ _LTX_TIME_ROWS: dict[str, _Rule] = {
     "PixArtAlphaCombinedTimestepSizeEmbeddings": (lambda m: None, True),
 }
 _MOCHI_TIME_ROWS: dict[str, _Rule] = {
+    "MochiChunkedGroupNorm3D": (lambda m: _FrameNormParallel(), True),
+    "MochiDownBlock3D": (lambda m: MochiBlockParallel(), False),  # attention along T
+    "MochiMidBlock3D": (lambda m: MochiBlockParallel(), False),
+    "MochiUpBlock3D": (lambda m: MochiUpBlockParallel(), ("proj",)),
+    "Attention": (lambda m: None, True),  # run by the block's style
+    "FourierFeatures": (lambda m: LocalParallel(local_dims=(3,)), True),
+    "Linear": (lambda m: LocalParallel(dim=1, local_dims=(2,)), True),  # channels-last
     "CogVideoXCausalConv3d": (_time_rows_causal_conv, True),
     "Conv3d": (lambda m: _pointwise(m), True),  # per slice along H too (kernel 1)
 }
@@ -1410,11 +1466,11 @@ def plan_for(module: nn.Module, *, dims: tuple[int, ...] = (2,)
     `dims` picks the sharded dims of `(B, C, T, H, W)`: `(2,)` T (every model); `(3,)` H
     (HunyuanVideo, CogVideoX with its own `_encode` / `_decode` frame-batch loops, Mochi,
     LTX-Video with `patch_size=1`), applied on a 1-D mesh with the input `Shard(3)`;
-    `(2, 3)` T and H at once (HunyuanVideo, LTX-Video with `patch_size=1` and no
+    `(2, 3)` T and H at once (HunyuanVideo, Mochi, LTX-Video with `patch_size=1` and no
     timestep conditioning), applied on the `t` axis of a `(t, h)` mesh
     (`parallelize_module(vae, mesh["t"], plan)`) with the input `[Shard(2), Shard(3)]`. A
     layer that cannot be sharded on `dims` raises `HaloError` naming it and the dims when
-    the plan is built (on T and H: CogVideoX's and Mochi's layers).
+    the plan is built (on T and H: CogVideoX's layers).
 
     Args:
         module: `AutoencoderKLHunyuanVideo`, `AutoencoderKLCogVideoX`, `AutoencoderKLMochi`
