@@ -43,8 +43,8 @@ slicing, framewise encoding or decoding). The styles that only these models need
 `plan_for(module, dims=(3,))` shards H instead (every model above but Wan), and
 `dims=(2, 3)` T and H at once on a `(t, h)` mesh (HunyuanVideo, Mochi, LTX-Video); the
 styles above then take `dim=3`, or a stencil along H beside their T one
-(`RepeatConvStencil`, `ConvRepeatStencil`). A layer that cannot be sharded on the dims asked for raises
-`HaloError` naming it when the plan is built.
+(`RepeatConvStencil`, `ConvRepeatStencil`). A layer that cannot be sharded on the dims
+asked for raises `HaloError` naming it when the plan is built.
 
 diffusers is imported only when a function here is called.
 """
