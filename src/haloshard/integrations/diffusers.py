@@ -123,6 +123,8 @@ __all__ = [
     "UpCausalStencil",
     "RepeatStencil",
     "ConvDepthToSpaceStencil",
+    "RepeatConvStencil",
+    "ConvRepeatStencil",
     "SpaceToDepthStencil",
 ]
 
