@@ -1,8 +1,9 @@
 """Issue 26, item 1: a style claims only what it knows; otherwise `HaloError`, never wrong numbers.
 
-- Every diffusers style implements its module's rule along T (dim 2) only: another dim is
-  refused at `_apply` (HunyuanUpsampleParallel(dim=3) used to return H = 27 for 28, and
-  HunyuanMidBlockParallel(dim=3) to attend along the wrong axis).
+- Every diffusers style implements its module's rule along T (dim 2) and H (dim 3) only:
+  another dim is refused at `_apply` (HunyuanUpsampleParallel(dim=3) used to return H = 27
+  for 28, and HunyuanMidBlockParallel(dim=3) to attend along the wrong axis; both now
+  implement H, exactly: tests/test_diffusers_dims.py).
 - `FirstFrameParallel` refuses what its one-frame window cannot hold: LTX-Video's and
   HunyuanVideo's upsamplers by class (naming their styles), any module with a conv reading
   more frames along dim at its first call, and a module whose output on its window does
@@ -68,7 +69,7 @@ def _seeded(make: Callable[[], nn.Module]) -> nn.Module:
         return make().double()
 
 
-# ---------------------------------------------------------------- diffusers styles: T only
+# ---------------------------------------------------------------- diffusers styles: T and H only
 def _diffusers_cases() -> list[tuple[str, Callable[[], nn.Module]]]:
     from diffusers.models.autoencoders import (
         autoencoder_kl_cogvideox as cog,
@@ -105,25 +106,32 @@ def test_diffusers_styles_refuse_another_dim(index: int) -> None:
     with simulated_mesh(2) as mesh:
         module = _seeded(make)
         with pytest.raises(HaloError, match=rf"{type(module).__name__}\).*{name} implements "
-                                            r".* along T .*got dim=3; expected dim=2"):
-            parallelize_module(module, mesh, style(dim=3))
+                                            r".* along T .*got dim=4; expected dim=2 or 3"):
+            parallelize_module(module, mesh, style(dim=4))
         parallelize_module(module, mesh, style())  # dim 2: what it implements
 
 
 @pytest.mark.simulated
 def test_hunyuan_upsampler_dim3_no_longer_wrong() -> None:
-    """The issue's case: sharding H of the upsampler gave a global H of 27 for 28."""
+    """The issue's case: sharding H of the upsampler gave a global H of 27 for 28; it is
+    now the single device's output (H implemented, issue 25)."""
     pytest.importorskip("diffusers")
     from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import (
         HunyuanVideoUpsampleCausal3D,
     )
+    from torch.distributed.tensor import distribute_tensor
 
     from haloshard.integrations.diffusers import HunyuanUpsampleParallel
 
     with simulated_mesh(2) as mesh:
         up = _seeded(lambda: HunyuanVideoUpsampleCausal3D(4, 4))
-        with pytest.raises(HaloError, match="got dim=3"):
-            parallelize_module(up, mesh, HunyuanUpsampleParallel(dim=3))
+        x = seeded_randn((1, 4, 3, 14, 5), 2, torch.float64)
+        with single_device():
+            expected = up(x)
+        parallelize_module(up, mesh, HunyuanUpsampleParallel(dim=3))
+        y = up(distribute_tensor(x, mesh, [Shard(3)]))
+        assert y.shape == expected.shape == (1, 4, 5, 28, 10)
+        torch.testing.assert_close(y.full_tensor(), expected, atol=1e-12, rtol=1e-10)
 
 
 # ---------------------------------------------------------------- FirstFrameParallel

@@ -244,6 +244,11 @@ class _HaloForward(ShardedForward):
         self.known = known  # the module runs torch's own forward for its kind
         # other sharded dims the module treats slice by slice (no halo along them)
         self.per_slice: tuple[int, ...] = ()
+        # other sharded dims a causal wrapper pads itself (`F.pad`): the halo replaces it
+        self.own_pads: dict[int, HaloShard] = {}
+        # other sharded dims along which a style knows the module's stencil: it runs
+        # unedited on its window there too (its own padding kept, reaching dropped outputs)
+        self.stencils: dict[int, Stencil] = {}
 
     def fresh(self) -> None:
         # The last agreement of each exchange (see `Reuse`): a layer validates its arguments
@@ -367,16 +372,25 @@ class _HaloForward(ShardedForward):
         along `d` the halo replaces; None for a dim in `per_slice` (no halo). A conv,
         pooling or resampling with torch's own forward gives its own; a causal wrapper
         (explicit spec, or `CausalConvParallel`) the one conv inside it, which must take
-        the wrapper's input as it is (any `F.pad` or `torch.cat` of `d` raises at run time).
+        the wrapper's input as it is (any `F.pad` or `torch.cat` of `d` raises at run time)
+        unless the style names the wrapper's own `F.pad` of `d` (`own_pads`): the halo then
+        holds that padding, and the conv's kernel and stride along `d` give the reach. A
+        style that knows the module's stencil along `d` (`stencils`) gives it: the module
+        runs unedited on its window along `d` too.
         """
         if d in self.per_slice:
             return None
+        if d in self.stencils:
+            return self.stencils[d], self.module
         module = self.module
         own = self.annotation.spec is None and not self.wraps_one_conv
         convs = [module] if own else [m for m in module.modules() if isinstance(m, DERIVABLE)]
         kind = _SPATIAL.get(type(convs[0])) if convs else None  # conv1d/2d/3d: 1/2/3
         ok = (len(convs) == 1 and self.local is None and isinstance(convs[0], DERIVABLE)
-              and (self.known if convs[0] is module else known_forward(convs[0]))
+              # a wrapper whose padding of d the style names (`own_pads`): the style
+              # vouches for the conv inside, as it does along the sharded dim
+              and (self.known if convs[0] is module
+                   else known_forward(convs[0]) or d in self.own_pads)
               and (kind is None or kind + 2 == ndim))
         if not ok:
             raise HaloError(
@@ -385,7 +399,12 @@ class _HaloForward(ShardedForward):
                 "forward, a causal wrapper around one such conv (explicit spec or "
                 f"CausalConvParallel), or a style told the layer is per-slice along dim {d} "
                 f"(local_dims=({d},)); it has no local= rule")
-        return derive_stencil(convs[0], d), convs[0]
+        stencil = derive_stencil(convs[0], d)
+        own = self.own_pads.get(d)
+        if own is not None:  # the wrapper's F.pad along d, then its conv's kernel and stride
+            assert isinstance(stencil, ConvStencil)
+            stencil = replace(stencil, pad_left=own.left, pad_right=own.right, pad=own.pad)
+        return stencil, convs[0]
 
     def run_across(self, x: torch.Tensor, across: dict[int, tuple[Stencil, nn.Module] | None],
                    *args: Any, **kwargs: Any) -> Any:
@@ -395,10 +414,14 @@ class _HaloForward(ShardedForward):
         try:
             with ExitStack() as stack:
                 for d, found in across.items():
+                    if d in self.stencils:  # the module keeps its own padding along d
+                        continue
                     if found is not None:
                         stack.enter_context(_swapped(found[1], local_attrs(found[1], d)))
-                    # padding d any other way would shift the halo (or pad a chunk's edge)
-                    stack.enter_context(_NoPadAlong(d, None, x, watch=True))
+                    # padding d any other way would shift the halo (or pad a chunk's edge);
+                    # a wrapper's own F.pad of d (`own_pads`) is dropped: the halo holds it
+                    own = self.own_pads.get(d)
+                    stack.enter_context(_NoPadAlong(d, own, x, watch=own is None))
                 stack.enter_context(_NoPadAlong(annotation.dim, annotation.spec, x,
                                                 watch=self.watch, plain=self.plain))
                 return (self.original(x, *args, **kwargs) if self.local is None
@@ -865,7 +888,10 @@ def _several_output(y: Any, site: _Site, plans: list[tuple[int, int, WindowPlan]
                     per_slice: list[int]) -> Any:
     """Narrow along each dim with a halo to this rank's outputs (a dim taken slice by slice
     must keep its length); a DTensor with the global output shape on the input's mesh and
-    placements."""
+    placements. A tuple's other elements come back as None, as in `_output`."""
+    if isinstance(y, tuple) and y and isinstance(y[0], torch.Tensor):
+        return (_several_output(y[0], site, plans, per_slice=per_slice),
+                *(None for _ in y[1:]))
     if not isinstance(y, torch.Tensor) or isinstance(y, DTensor):
         raise HaloError(f"a halo module must return a plain tensor from its local forward, "
                         f"got {type(y).__name__}")

@@ -766,14 +766,22 @@ class CausalConvParallel(ParallelStyle):
     dim is dropped (the halo holds it), after checking it is exactly `(span - 1, 0)` of mode
     `pad`. `HaloParallel(HaloShard(...))` covers only length-preserving wrappers.
 
+    A wrapper that pads other dims itself too (HunyuanVideo's and Mochi's `F.pad` of H and
+    W, replicate) names those widths in `pads`: when such a dim is sharded as well (T and H
+    on a `(t, h)` mesh) its halo holds that padding, as along dim. `pads` may also give
+    dim's own widths: `CausalConvParallel(dim=3, pads={3: (1, 1)})` is such a wrapper with H
+    sharded (its centred `F.pad` of H dropped, the conv's stride along H kept).
+
     Args:
-        pad: the wrapper's padding mode along dim: "replicate" (video VAEs) or "zeros".
+        pad: the wrapper's padding mode: "replicate" (video VAEs) or "zeros".
         dim: the sharded dim.
+        pads: `{dim: (left, right)}`, the widths of the wrapper's own `F.pad` (mode `pad`)
+            along dims it pads itself; along dim, `(span - 1, 0)` (causal) when not given.
 
     Raises:
         HaloError: in `_apply`, for a module that does not hold exactly one conv (and no
-            other module) with no padding of its own along dim; at run time, when the
-            wrapper pads otherwise.
+            other module) with no padding of its own along dim or a dim in `pads`, or
+            widths that are not two ints >= 0; at run time, when the wrapper pads otherwise.
 
     Example::
         >>> causal = CausalConv3d(8, k=3)  # F.pad (2, 0) replicate, then conv
@@ -783,28 +791,47 @@ class CausalConvParallel(ParallelStyle):
         ((Shard(dim=2),), 13)
     """
 
-    def __init__(self, *, pad: PadMode = "replicate", dim: int = 2) -> None:
+    def __init__(self, *, pad: PadMode = "replicate", dim: int = 2,
+                 pads: dict[int, tuple[int, int]] | None = None) -> None:
         super().__init__()
         self.pad, self.dim = pad, dim
+        self.pads = _own_pads(pads or {})
 
     def __repr__(self) -> str:
-        return f"CausalConvParallel(pad={self.pad!r}, dim={self.dim})"
+        pads = f", pads={self.pads}" if self.pads else ""
+        return f"CausalConvParallel(pad={self.pad!r}, dim={self.dim}{pads})"
 
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         conv = _one_conv(module, self.dim)
+        for d in self.pads:
+            _one_conv(module, d)  # no padding of its own along a dim the wrapper pads
         si = spatial_index(conv, self.dim)
         span = conv.dilation[si] * (conv.kernel_size[si] - 1) + 1
-        stencil = ConvStencil(span=span, stride=conv.stride[si], pad_left=span - 1,
-                              pad=self.pad)
+        left, right = self.pads.get(self.dim, (span - 1, 0))
+        stencil = ConvStencil(span=span, stride=conv.stride[si], pad_left=left,
+                              pad_right=right, pad=self.pad)
         plain = attach(module, Annotation(None, self.dim, stencil), device_mesh)
         base = module.forward
         assert isinstance(base, _HaloForward) and plain.attached
         forward = _StripPadForward(module, base.annotation, base.mesh, base.saved,
                                    base.previous, overlap=False, name=base.name)
-        forward.strip = HaloShard(self.dim, left=span - 1, pad=self.pad)
+        forward.strip = HaloShard(self.dim, left=left, right=right, pad=self.pad)
+        forward.own_pads = {d: HaloShard(d, left=lr[0], right=lr[1], pad=self.pad)
+                            for d, lr in self.pads.items() if d != self.dim}
         module.forward = forward  # the handle restores base.previous, not this object
         return module
+
+
+def _own_pads(pads: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """`CausalConvParallel`'s `pads`, checked: spatial dims to two widths >= 0."""
+    for d, widths in pads.items():
+        ok = (isinstance(d, int) and d >= 2 and isinstance(widths, tuple)
+              and len(widths) == 2 and all(isinstance(w, int) and w >= 0 for w in widths))
+        if not ok:
+            raise HaloError(f"CausalConvParallel takes pads as {{dim: (left, right)}} with a "
+                            f"spatial dim >= 2 and two ints >= 0, got {d!r}: {widths!r}")
+    return dict(pads)
 
 
 @dataclass(frozen=True)

@@ -41,11 +41,18 @@ slicing, framewise encoding or decoding). The styles that only these models need
   T per pixel, and depth-to-space along T.
 - `LTXUpsamplerParallel`: a conv before depth-to-space along T, on windows with its reach.
 
+`plan_for(module, dims=(3,))` shards H instead (every model above but Wan), and
+`dims=(2, 3)` T and H at once on a `(t, h)` mesh (HunyuanVideo, Mochi, LTX-Video); the
+styles above then take `dim=3`, or a stencil along H beside their T one
+(`RepeatConvStencil`, `ConvRepeatStencil`). A layer that cannot be sharded on the dims
+asked for raises `HaloError` naming it when the plan is built.
+
 diffusers is imported only when a function here is called.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Callable
@@ -56,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from haloshard import _segments
@@ -84,6 +91,7 @@ from haloshard._layer_styles import (
 from haloshard._layout import HaloShard, PadMode, lack, shard_size_and_offset, shard_sizes
 from haloshard._masked_attention import frame_attention
 from haloshard._norms import group_norm
+from haloshard._specs import ConvStencil
 from haloshard._styles import HaloParallel
 from haloshard.integrations._cogvideox import cogvideox_decode, cogvideox_encode
 from haloshard.integrations._ltx import LTXDownsamplerParallel, SpaceToDepthStencil
@@ -118,6 +126,8 @@ __all__ = [
     "UpCausalStencil",
     "RepeatStencil",
     "ConvDepthToSpaceStencil",
+    "RepeatConvStencil",
+    "ConvRepeatStencil",
     "SpaceToDepthStencil",
 ]
 
@@ -131,13 +141,14 @@ def _check_class(module: nn.Module, name: str, style: str) -> None:
 
 
 def _check_time_dim(dim: int, style: str) -> None:
-    """The styles here implement their module's rule along T (dim 2 of `(B, C, T, H, W)`):
-    first frames, causal masks, depth-to-space along T. Along H that rule would be applied
-    to the wrong axis (wrong numbers, no error), so another dim is refused."""
-    if dim != 2:
+    """The styles here implement their module's rule along T (dim 2 of `(B, C, T, H, W)`:
+    first frames, causal masks, depth-to-space along T) and along H (dim 3, each its own
+    way); along W that rule would be applied to the wrong axis (wrong numbers, no error),
+    so another dim is refused."""
+    if dim not in (2, 3):
         raise HaloError(f"{style} implements its module's rule along T (dim 2 of (B, C, T, "
-                        f"H, W)) only, got dim={dim}; expected dim=2 (shard H with the "
-                        "generic styles, e.g. HaloParallel for a conv)")
+                        f"H, W)) and H (dim 3) only, got dim={dim}; expected dim=2 or 3 "
+                        "(shard W with the generic styles, e.g. HaloParallel for a conv)")
 
 
 # ---------------------------------------------------------------- HunyuanVideo upsampler
@@ -171,16 +182,76 @@ class UpCausalStencil:
         return i0, i1, start - i0 * f
 
 
+@dataclass(frozen=True)
+class RepeatConvStencil:
+    """Each row repeated `factor` times (nearest), then a centred conv reading `reach` rows
+    on each side with its own `pad` padding: output length `T * factor` (HunyuanVideo's
+    upsampler along H).
+
+    Beyond the global ends the window holds `pad` rows, whose repeats are what the conv's
+    own padding reads there; the module's padding at the window's edges reaches only
+    outputs that are dropped.
+
+    Example::
+        >>> RepeatConvStencil(2, 1).window(4, 8)  # up-rows 3..8 come from rows 1..4
+        (1, 5, 2)
+    """
+
+    factor: int
+    reach: int
+    pad: PadMode = "replicate"
+    fill: float | None = None
+    min_input: int = 1
+
+    def out_length(self, length: int) -> int:
+        return max(length, 0) * self.factor
+
+    def window(self, start: int, stop: int) -> tuple[int, int, int]:
+        f = self.factor
+        i0 = (start - self.reach) // f
+        return i0, (stop - 1 + self.reach) // f + 1, start - i0 * f
+
+
+@dataclass(frozen=True)
+class ConvRepeatStencil:
+    """A centred conv reading `reach` rows on each side (its own zero padding), then each
+    row becomes `factor` rows (depth-to-space): output length `T * factor` (LTX-Video's
+    upsampler along H).
+
+    Example::
+        >>> ConvRepeatStencil(2, 1).window(3, 6)  # conv outputs 1..2 read rows 0..3
+        (0, 4, 3)
+    """
+
+    factor: int
+    reach: int
+    pad: PadMode = "zeros"
+    fill: float | None = None
+    min_input: int = 1
+
+    def out_length(self, length: int) -> int:
+        return max(length, 0) * self.factor
+
+    def window(self, start: int, stop: int) -> tuple[int, int, int]:
+        f = self.factor
+        i0 = start // f - self.reach
+        return i0, (stop - 1) // f + 1 + self.reach, start - i0 * f
+
+
 class HunyuanUpsampleParallel(ParallelStyle):
     """`HunyuanVideoUpsampleCausal3D` on `Shard(T)`: exact for any temporal factor.
 
     Its forward (interpolate the first frame spatially, the others by `upsample_factor`,
     then its `HunyuanVideoCausalConv3d`) runs unedited on a window of its input.
 
+    With H sharded (`dim=3`), the same module runs on a window of rows
+    (`RepeatConvStencil`: nearest by the factor along H, then the conv's replicate `F.pad`
+    of H, kept on the window).
+
     Raises:
-        HaloError: in `_apply` for another class, a dim other than 2 (T), a non-integer
-            temporal factor, or a conv that is not causal with replicate padding and stride
-            1 along T.
+        HaloError: in `_apply` for another class, a dim other than 2 (T) or 3 (H), a
+            non-integer factor along dim, or a conv that is not causal with replicate
+            padding and stride 1 along T (centred along H).
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -193,6 +264,9 @@ class HunyuanUpsampleParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "HunyuanVideoUpsampleCausal3D", "HunyuanUpsampleParallel")
+        if self.dim == 3:
+            attach(module, Annotation(None, 3, _hunyuan_rows(module)), device_mesh)
+            return module
         _check_time_dim(self.dim, "HunyuanUpsampleParallel")
         factor, wrapper = module.upsample_factor[0], module.conv
         conv = wrapper.conv
@@ -207,12 +281,43 @@ class HunyuanUpsampleParallel(ParallelStyle):
                             f"{wrapper.time_causal_padding}, pad_mode {wrapper.pad_mode!r}")
         attach(module, Annotation(None, self.dim, UpCausalStencil(int(factor), span)),
                device_mesh)
+        _also_rows(module, _hunyuan_rows)
         return module
+
+
+def _also_rows(module: nn.Module, rows: Callable[[nn.Module], Any]) -> None:
+    """With H sharded too (T and H on a `(t, h)` mesh), the module runs on a window of
+    rows as well (`rows(module)`'s stencil); a module whose rows have no stencil here
+    raises `HaloError` when its input is sharded on H too."""
+    with contextlib.suppress(HaloError):
+        module.forward.stencils = {3: rows(module)}
+
+
+def _hunyuan_rows(module: nn.Module) -> RepeatConvStencil:
+    """The upsampler's stencil along H: nearest by its factor, then its conv's centred
+    replicate `F.pad` of H (stride and dilation 1)."""
+    factor, wrapper = module.upsample_factor[1], module.conv
+    conv = wrapper.conv
+    k, pads = conv.kernel_size[1], tuple(wrapper.time_causal_padding[2:4])
+    if (factor != int(factor) or factor < 1 or conv.stride[1] != 1 or conv.dilation[1] != 1
+            or conv.padding[1] != 0 or pads != ((k - 1) // 2, (k - 1) // 2)
+            or wrapper.pad_mode != "replicate"):
+        raise HaloError(f"HunyuanUpsampleParallel(dim=3) expects an integer factor along H "
+                        f"and a conv of stride 1 replicate-padded by (k - 1) // 2 on each "
+                        f"side of H, got factor {factor}, kernel {k}, stride {conv.stride[1]}, "
+                        f"H padding {pads}, pad_mode {wrapper.pad_mode!r}")
+    return RepeatConvStencil(int(factor), (k - 1) // 2)
 
 
 # ---------------------------------------------------------------- HunyuanVideo mid-block
 class _MidBlockForward(ShardedForward):
     """The mid-block's forward on a `Shard(T)` DTensor."""
+
+    def attend(self, h: DTensor) -> Callable[[nn.Module, DTensor, int], DTensor]:
+        if self.dim == 3:
+            return _causal_attention_rows
+        both = any(p == Shard(3) for p in h.placements)
+        return _causal_attention_both if both else _causal_attention
 
     def sharded(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, DTensor):
@@ -227,7 +332,7 @@ class _MidBlockForward(ShardedForward):
         h = run(m.resnets[0], x)
         for attn, resnet in zip(m.attentions, m.resnets[1:], strict=True):
             if attn is not None:
-                h = _causal_attention(attn, h, self.dim)
+                h = self.attend(h)(attn, h, self.dim)
             h = run(resnet, h)
         return h
 
@@ -275,6 +380,97 @@ def _causal_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
                               stride=stride)
 
 
+def _causal_attention_rows(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
+    """`_causal_attention` with H sharded: K and V gathered along H, every frame's queries
+    (this rank's rows) attend to the tokens of frames up to their own, one frame at a time
+    (no `(THW)^2` mask; scores for one frame's queries at once)."""
+    site = _dtensor_site(h, dim)
+    x, group = site.local, (site.mesh, site.axis)
+    gn = attn.group_norm
+    y = x if gn is None else group_norm(x, gn.num_groups, gn.weight, gn.bias, gn.eps, group,
+                                        dim=dim)
+    n = rows = x.shape[dim]
+    if enabled_local_tensor_mode() is not None:
+        # simulated ranks: every chunk padded to the longest, as in `_causal_attention`
+        rows = shard_sizes(site.length, site.mesh.size(site.axis))[0]
+        y = F.pad(y, (0, 0, 0, lack(n, rows)))
+    tokens = y.movedim(1, -1).contiguous()  # (B, T, rows, W, C)
+    # (B, heads, T, rows, W, E), contiguous: the gather's backward takes its gradient as is
+    q, k, v = (lin(tokens).unflatten(-1, (attn.heads, -1)).permute(0, 4, 1, 2, 3, 5)
+               .contiguous() for lin in (attn.to_q, attn.to_k, attn.to_v))
+    k, v = gather_many((k.narrow(dim, 0, n), v.narrow(dim, 0, n)), dim, group,
+                       global_length=site.length, reuse=_reuse(attn, site))
+    frames = [F.scaled_dot_product_attention(q[:, :, t].flatten(2, 3),
+                                             k[:, :, : t + 1].flatten(2, 4),
+                                             v[:, :, : t + 1].flatten(2, 4))
+              for t in range(q.shape[2])]
+    o = torch.stack(frames, 2).permute(0, 2, 3, 1, 4).flatten(-2)  # (B, T, rows * W, C)
+    o = attn.to_out[1](attn.to_out[0](o)).unflatten(2, (rows, tokens.shape[3]))
+    o = o.narrow(2, 0, n).movedim(-1, 1)
+    if attn.residual_connection:
+        o = o + x
+    o = o / attn.rescale_output_factor
+    stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
+    return DTensor.from_local(o, site.mesh, site.placements, run_check=False, shape=h.shape,
+                              stride=stride)
+
+
+def _causal_attention_both(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
+    """`_causal_attention` with T and H sharded (on two mesh axes): K and V gathered along
+    H, then along T; this rank's queries attend one local frame at a time to every token,
+    the keys of later frames masked (scores for one frame's queries at once)."""
+    site = _dtensor_site(h, dim, several=True)
+    if [d for _, d in site.others] != [3]:
+        raise HaloError(f"HunyuanMidBlockParallel takes T, or T and H, sharded; got "
+                        f"placements {site.placements}")
+    t_group, h_group = (site.mesh, site.axis), (site.mesh, site.others[0][0])
+    x, height = site.local, h.shape[3]
+    gn = attn.group_norm
+    y = x if gn is None else group_norm(x, gn.num_groups, gn.weight, gn.bias, gn.eps,
+                                        t_group, dim=dim, other_groups=[h_group])
+    n_t, n_h = x.shape[2], x.shape[3]
+    rows_t, rows_h, padded = n_t, n_h, enabled_local_tensor_mode() is not None
+    if padded:  # simulated ranks: every chunk padded to the longest, as in _causal_attention
+        rows_t = shard_sizes(site.length, site.mesh.size(site.axis))[0]
+        rows_h = shard_sizes(height, site.mesh.size(site.others[0][0]))[0]
+        y = F.pad(y, (0, 0, 0, lack(n_h, rows_h), 0, lack(n_t, rows_t)))
+    tokens = y.movedim(1, -1).contiguous()  # (B, T_r, H_r, W, C)
+    q, k, v = (lin(tokens).unflatten(-1, (attn.heads, -1)).permute(0, 4, 1, 2, 3, 5)
+               .contiguous() for lin in (attn.to_q, attn.to_k, attn.to_v))
+    k, v = (t.narrow(2, 0, n_t).narrow(3, 0, n_h) for t in (k, v))
+    reuse = _reuse(attn, site)
+    k, v = gather_many((k, v), 3, h_group, global_length=height, reuse=reuse)
+    k, v = gather_many((k, v), 2, t_group, global_length=site.length, reuse=reuse)
+    k, v = k.flatten(2, 4), v.flatten(2, 4)  # (B, heads, T*H*W, E)
+    later = _later_tokens(site.mesh.get_local_rank(site.axis), site.length,
+                          site.mesh.size(site.axis), rows_t if padded else None,
+                          height * h.shape[4], x.device)  # (T_r, T*H*W)
+    frames = [F.scaled_dot_product_attention(q[:, :, i].flatten(2, 3), k, v,
+                                             attn_mask=~later[i : i + 1])
+              for i in range(rows_t)]
+    o = torch.stack(frames, 2).permute(0, 2, 3, 1, 4).flatten(-2)  # (B, T_r, H_r*W, C)
+    o = attn.to_out[1](attn.to_out[0](o)).unflatten(2, (rows_h, tokens.shape[3]))
+    o = o.narrow(1, 0, n_t).narrow(2, 0, n_h).movedim(-1, 1)
+    if attn.residual_connection:
+        o = o + x
+    o = o / attn.rescale_output_factor
+    stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
+    return DTensor.from_local(o, site.mesh, site.placements, run_check=False, shape=h.shape,
+                              stride=stride)
+
+
+@maybe_run_for_local_tensor
+def _later_tokens(rank: int, length: int, world: int, rows: int | None, per_frame: int,
+                  device: torch.device) -> torch.Tensor:
+    """For each of this rank's frames (padded to `rows`), which of the `length *
+    per_frame` key tokens belong to later frames. A padding row's frame lies beyond the
+    clip: it sees every key (no row all masked, no NaN in its dropped output)."""
+    size, offset = shard_size_and_offset(length, world, rank)
+    frame = torch.arange(rows if rows is not None else size) + offset
+    keys = torch.arange(length).repeat_interleave(per_frame)
+    return (keys[None, :] > frame[:, None]).to(device)
+
+
 def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     """`(B, T_r, H, W, heads * E) -> (B, heads, T_r, H * W, E)`."""
     t = t.unflatten(-1, (heads, t.shape[-1] // heads)).flatten(2, 3)
@@ -302,10 +498,15 @@ class HunyuanMidBlockParallel(ParallelStyle):
     per head); under `torch.no_grad()`: two ranks' blocks of K and V and one block's scores
     (`N / P * N / P` per head), K/V coming one source rank at a time.
 
+    With H sharded (`dim=3`), K and V are gathered along H and each frame's queries
+    attend to the tokens of the frames up to their own, one frame at a time; with T and H
+    sharded on two mesh axes (`dim=2`, input `[Shard(2), Shard(3)]`), K and V are gathered
+    along H, then T, and the later frames' keys are masked, one local frame at a time.
+
     Raises:
-        HaloError: in `_apply` for another class, a dim other than 2 (T), or an attention
-            this style does not know (another processor, cross attention, extra norms); at
-            run time for a plain tensor input.
+        HaloError: in `_apply` for another class, a dim other than 2 (T) or 3 (H), or an
+            attention this style does not know (another processor, cross attention, extra
+            norms); at run time for a plain tensor input.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -318,7 +519,8 @@ class HunyuanMidBlockParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "HunyuanVideoMidBlock3D", "HunyuanMidBlockParallel")
-        _check_time_dim(self.dim, "HunyuanMidBlockParallel")
+        if self.dim != 3:  # H: K and V gathered along H, the frame mask unchanged
+            _check_time_dim(self.dim, "HunyuanMidBlockParallel")
         for i, attn in enumerate(module.attentions):
             if attn is not None:
                 _check_attention(attn, f"attentions.{i}")
@@ -333,10 +535,15 @@ class _SpatialNormForward(ShardedForward):
 
     def sharded(self, f: torch.Tensor, zq: torch.Tensor,
             conv_cache: dict[str, Any] | None = None) -> tuple[DTensor, dict[str, Any]]:
-        if not isinstance(f, DTensor) or not isinstance(zq, DTensor) or conv_cache:
+        # along H a conv_cache (the VAE's loop over frame batches) is harmless: the 1x1x1
+        # convs concatenate no cached frame
+        if not isinstance(f, DTensor) or not isinstance(zq, DTensor) or (
+                conv_cache and self.dim != 3):
             raise HaloError(f"CogSpatialNormParallel needs Shard({self.dim}) DTensors f and zq "
                             f"and no conv_cache, got {type(f).__name__}, {type(zq).__name__}, "
                             f"conv_cache={bool(conv_cache)}")
+        if self.dim == 3:
+            return self._rows(f, zq)
         m, site, z_site = self.module, _dtensor_site(f, self.dim), _dtensor_site(zq, self.dim)
         group, n = (site.mesh, site.axis), site.local.shape[self.dim]
         world = site.mesh.size(site.axis)
@@ -358,6 +565,47 @@ class _SpatialNormForward(ShardedForward):
         y = DTensor.from_local(out, site.mesh, site.placements, run_check=False, shape=f.shape,
                                stride=stride)
         return y, {"conv_y": None, "conv_b": None}
+
+
+    def _rows(self, f: DTensor, zq: DTensor) -> tuple[DTensor, dict[str, Any]]:
+        """H sharded: zq gathered along H and resized as the module does (T is whole
+        here), then this rank's rows picked; `norm_layer` with statistics over H."""
+        m, site, z_site = self.module, _dtensor_site(f, 3), _dtensor_site(zq, 3)
+        group, n = (site.mesh, site.axis), site.local.shape[3]
+        (z_all,) = gather_many((z_site.local,), 3, group, global_length=z_site.length,
+                               reuse=_reuse(m, z_site))
+        frames, width = f.shape[2], f.shape[4]
+        if frames > 1 and frames % 2 == 1:  # the module's rule: the first frame apart
+            z_all = torch.cat([F.interpolate(z_all[:, :, :1], size=(1, site.length, width)),
+                               F.interpolate(z_all[:, :, 1:],
+                                             size=(frames - 1, site.length, width))], dim=2)
+        else:
+            z_all = F.interpolate(z_all, size=(frames, site.length, width))
+        world = site.mesh.size(site.axis)
+        longest = shard_sizes(site.length, world)[0] if enabled_local_tensor_mode() \
+            is not None else None
+        index = _chunk_rows(site.mesh.get_local_rank(site.axis), site.length, world,
+                            longest, f.device)
+        z_local = z_all.index_select(3, index)
+        conv_y, conv_b = (conv(z_local)[0].narrow(3, 0, n) for conv in (m.conv_y, m.conv_b))
+        gn = m.norm_layer
+        norm_f = group_norm(site.local, gn.num_groups, gn.weight, gn.bias, gn.eps, group,
+                            dim=3)
+        stride = tuple(math.prod(f.shape[i + 1 :]) for i in range(f.ndim))
+        y = DTensor.from_local(norm_f * conv_y + conv_b, site.mesh, site.placements,
+                               run_check=False, shape=f.shape, stride=stride)
+        return y, {"conv_y": None, "conv_b": None}
+
+
+@maybe_run_for_local_tensor
+def _chunk_rows(rank: int, length: int, world: int, rows: int | None,
+                device: torch.device) -> torch.Tensor:
+    """This rank's `Shard` rows of `length`, padded with row 0 to `rows` (or to one row
+    for an empty chunk: the 1x1x1 convs refuse an empty input)."""
+    size, offset = shard_size_and_offset(length, world, rank)
+    picked = torch.arange(offset, offset + size)
+    want = rows if rows is not None else max(size, 1)
+    return torch.cat([picked, picked.new_zeros(want - size)]).to(device)
 
 
 @maybe_run_for_local_tensor
@@ -392,9 +640,14 @@ class CogSpatialNormParallel(ParallelStyle):
     `conv_b` run on those frames and `norm_layer` runs as `group_norm` with global
     statistics. The returned cache is None (as for the other halo modules).
 
+    With H sharded (`dim=3`), zq is gathered along H and resized the same way, each
+    rank keeping its rows; T is whole, so the VAE's own frame-batch loop runs unchanged
+    (its conv_cache is accepted: the 1x1x1 convs concatenate no cached frame).
+
     Raises:
-        HaloError: in `_apply` for another class, a dim other than 2 (T), or convs that
-            are not 1x1x1; at run time for plain-tensor inputs or a conv_cache.
+        HaloError: in `_apply` for another class, a dim other than 2 (T) or 3 (H), or
+            convs that are not 1x1x1; at run time for plain-tensor inputs, or a
+            conv_cache along T.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -407,10 +660,12 @@ class CogSpatialNormParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "CogVideoXSpatialNorm3D", "CogSpatialNormParallel")
-        _check_time_dim(self.dim, "CogSpatialNormParallel")
+        if self.dim != 3:  # H: zq gathered along H, resized, this rank's rows
+            _check_time_dim(self.dim, "CogSpatialNormParallel")
         for name in ("conv_y", "conv_b"):
             conv = getattr(module, name).conv
-            if tuple(conv.kernel_size) != (1, 1, 1) or tuple(conv.stride) != (1, 1, 1):
+            if (tuple(conv.kernel_size) != (1, 1, 1) or tuple(conv.stride) != (1, 1, 1)
+                    or getattr(module, name).time_kernel_size != 1):
                 raise HaloError(f"CogSpatialNormParallel expects 1x1x1 convs, {name} has "
                                 f"kernel {conv.kernel_size}, stride {conv.stride}")
         install(module, _SpatialNormForward(module, self.dim))
@@ -436,19 +691,24 @@ class _MochiBlockForward(ShardedForward):
                                                      strict=True)):
             h, cache[f"resnet_{i}"] = resnet(h)
             if attn is not None:
-                h = h + _pixel_attention(attn, norm(h), self.dim)
+                attend = _pixel_attention if self.dim == 2 else _pixel_attention_rows
+                h = h + attend(attn, norm(h), self.dim)
         return h, cache
 
 
 def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     """`MochiVaeAttnProcessor2_0`: causal attention along T of each pixel's tokens
-    `(B*H*W, T, C)`, on this rank's frames; K/V gathered along T."""
-    site = _dtensor_site(h, dim)
+    `(B*H*W, T, C)`, on this rank's frames; K/V gathered along T. H (or W) may be
+    sharded too, on another mesh axis: each pixel's sequence is along T alone."""
+    site = _dtensor_site(h, dim, several=True)
     x, group, n = site.local, (site.mesh, site.axis), site.local.shape[dim]
+    kept = {d: x.shape[d] for _, d in site.others}
     padded = enabled_local_tensor_mode() is not None
     if padded:  # as in _causal_attention: equal shapes across simulated ranks
         longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
         x = F.pad(x, (0, 0, 0, 0, 0, lack(n, longest)))
+        for a, d in site.others:
+            x = _pad_end(x, d, shard_sizes(h.shape[d], site.mesh.size(a))[0])
     tokens = x.permute(0, 3, 4, 2, 1).contiguous()  # (B, H, W, T_r, C)
 
     def heads(lin: nn.Module, norm: nn.Module | None) -> torch.Tensor:
@@ -467,6 +727,76 @@ def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     o = (o / attn.rescale_output_factor).permute(0, 4, 3, 1, 2)
     if padded:
         o = o.narrow(dim, 0, n)
+        for d, rows in kept.items():
+            o = o.narrow(d, 0, rows)
+    stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
+    return DTensor.from_local(o.contiguous(), site.mesh, site.placements, run_check=False,
+                              shape=h.shape, stride=stride)
+
+
+def _pad_end(x: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    """`x` padded with zeros at the end of `dim` to `rows` slices."""
+    return F.pad(x, [0, 0] * (x.ndim - 1 - dim) + [0, lack(x.shape[dim], rows)])
+
+
+class _FrameNormForward(ShardedForward):
+    """`MochiChunkedGroupNorm3D` (a GroupNorm per frame) with T and H sharded: the frames
+    are this rank's, each frame's statistics span the ranks sharing its rows."""
+
+    def sharded(self, x: torch.Tensor) -> DTensor:
+        if not isinstance(x, DTensor):
+            raise HaloError(f"MochiChunkedGroupNorm3D on T and H needs a DTensor input, got "
+                            f"{type(x).__name__}")
+        site = _dtensor_site(x, self.dim, several=True)
+        local, gn, n = site.local, self.module.norm_layer, site.local.shape[2]
+        if enabled_local_tensor_mode() is not None:
+            # simulated ranks: frames padded to the longest chunk (flattened into the
+            # batch below: a per-rank length there breaks LocalTensorMode); each padding
+            # frame is a sample of its own, dropped below
+            local = _pad_end(local, 2, shard_sizes(site.length, site.mesh.size(site.axis))[0])
+        # (T_r * B, C, H_r, W) by frames: concatenated, not flattened, since under
+        # LocalTensorMode a view over per-rank row counts cannot be decided
+        frames = torch.cat(local.unbind(2), 0)
+        rows = [(site.mesh, a) for a, _ in site.others]
+        y = gn(frames) if not rows else group_norm(
+            frames, gn.num_groups, gn.weight, gn.bias, gn.eps, rows[0], dim=2,
+            other_groups=rows[1:])
+        y = torch.stack(y.split(local.shape[0], 0), 2).narrow(2, 0, n)
+        return DTensor.from_local(y.contiguous(), site.mesh, site.placements,
+                                  run_check=False, shape=x.shape, stride=x.stride())
+
+
+class _FrameNormParallel(ParallelStyle):
+    """`MochiChunkedGroupNorm3D` on T and H (`_FrameNormForward`)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_class(module, "MochiChunkedGroupNorm3D", "_FrameNormParallel")
+        install(module, _FrameNormForward(module, 2))
+        return module
+
+
+def _pixel_attention_rows(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
+    """`MochiVaeAttnProcessor2_0` with H sharded: each pixel attends along its own T,
+    which this rank holds whole: causal attention on this rank's rows, nothing moved."""
+    site = _dtensor_site(h, dim)
+    x, n = site.local, site.local.shape[dim]
+    if enabled_local_tensor_mode() is not None:  # as in _causal_attention: equal shapes
+        longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
+        x = F.pad(x, (0, 0, 0, lack(n, longest)))
+    tokens = x.permute(0, 3, 4, 2, 1).contiguous()  # (B, H_r, W, T, C)
+
+    def heads(lin: nn.Module, norm: nn.Module | None) -> torch.Tensor:
+        t = lin(tokens)
+        t = t.unflatten(-1, (attn.heads, t.shape[-1] // attn.heads)).transpose(-3, -2)
+        return norm(t) if norm is not None else t  # (B, H_r, W, heads, T, E)
+
+    q, k, v = heads(attn.to_q, attn.norm_q), heads(attn.to_k, attn.norm_k), \
+        heads(attn.to_v, None)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o = attn.to_out[1](attn.to_out[0](o.transpose(-3, -2).flatten(-2)))  # (B, H_r, W, T, C)
+    if attn.residual_connection:
+        o = o + tokens
+    o = (o / attn.rescale_output_factor).permute(0, 4, 3, 1, 2).narrow(dim, 0, n)
     stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
     return DTensor.from_local(o.contiguous(), site.mesh, site.placements, run_check=False,
                               shape=h.shape, stride=stride)
@@ -495,9 +825,13 @@ class MochiBlockParallel(ParallelStyle):
     every rank holds the block's full K and V (`2 * B * T * H * W * C`): all pixels attend
     along T; under `torch.no_grad()`: two ranks' blocks of them, one source rank at a time.
 
+    With H sharded (`dim=3`) every pixel's T is on its rank: the attention runs on this
+    rank's rows and nothing moves.
+
     Raises:
-        HaloError: in `_apply` for another class, a dim other than 2 (T), or an attention
-            it does not know; at run time for a plain tensor input or a conv_cache.
+        HaloError: in `_apply` for another class, a dim other than 2 (T) or 3 (H), or an
+            attention it does not know; at run time for a plain tensor input or a
+            conv_cache.
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -512,7 +846,8 @@ class MochiBlockParallel(ParallelStyle):
         if type(module).__name__ not in ("MochiDownBlock3D", "MochiMidBlock3D"):
             raise HaloError(f"MochiBlockParallel applies to diffusers' MochiDownBlock3D and "
                             f"MochiMidBlock3D, got {type(module).__name__}")
-        _check_time_dim(self.dim, "MochiBlockParallel")
+        if self.dim != 3:  # H: every pixel's T is local, attention runs on the rows
+            _check_time_dim(self.dim, "MochiBlockParallel")
         for i, attn in enumerate(module.attentions):
             if attn is not None:
                 _check_mochi_attention(attn, f"attentions.{i}")
@@ -563,8 +898,8 @@ class _MochiUpForward(ShardedForward):
 
     copied = ("module", "previous", "expand")
 
-    def __init__(self, module: nn.Module, expand: nn.Module) -> None:
-        super().__init__(module, 2)
+    def __init__(self, module: nn.Module, expand: nn.Module, dim: int = 2) -> None:
+        super().__init__(module, dim)
         self.expand = expand
 
     def sharded(self, x: torch.Tensor, conv_cache: dict[str, Any] | None = None
@@ -582,8 +917,10 @@ class MochiUpBlockParallel(ParallelStyle):
     its per-token `proj` and depth-to-space (each frame becomes `temporal_expansion`
     frames) on the window of input frames this rank's output frames come from.
 
+    With H sharded (`dim=3`), each row becomes `spatial_expansion` rows instead.
+
     Raises:
-        HaloError: in `_apply` for another class or a dim other than 2 (T).
+        HaloError: in `_apply` for another class or a dim other than 2 (T) or 3 (H).
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -596,11 +933,14 @@ class MochiUpBlockParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "MochiUpBlock3D", "MochiUpBlockParallel")
-        _check_time_dim(self.dim, "MochiUpBlockParallel")
+        if self.dim != 3:  # H: each row becomes spatial_expansion rows
+            _check_time_dim(self.dim, "MochiUpBlockParallel")
+        factor = module.temporal_expansion if self.dim == 2 else module.spatial_expansion
         expand = _MochiExpand(module)
-        attach(expand, Annotation(None, self.dim, RepeatStencil(module.temporal_expansion)),
-               device_mesh)
-        install(module, _MochiUpForward(module, expand))
+        attach(expand, Annotation(None, self.dim, RepeatStencil(factor)), device_mesh)
+        if self.dim == 2:  # with H sharded too, each row becomes spatial_expansion rows
+            _also_rows(expand, lambda m: RepeatStencil(module.spatial_expansion))
+        install(module, _MochiUpForward(module, expand, self.dim))
         return module
 
 
@@ -659,9 +999,13 @@ class LTXUpsamplerParallel(ParallelStyle):
     depth-to-space by its temporal stride, then the first `stride - 1` frames dropped,
     run unedited on a window of its input (`ConvDepthToSpaceStencil`).
 
+    With H sharded (`dim=3`), the same module runs on a window of rows
+    (`ConvRepeatStencil`: the conv's own zero padding of H, then each row becomes the
+    spatial stride's rows).
+
     Raises:
-        HaloError: in `_apply` for another class, a dim other than 2 (T), or a conv that
-            is not stride 1 along T.
+        HaloError: in `_apply` for another class, a dim other than 2 (T) or 3 (H), or a
+            conv that is not stride 1 along dim (and centred with zero padding along H).
     """
 
     def __init__(self, *, dim: int = 2) -> None:
@@ -674,6 +1018,9 @@ class LTXUpsamplerParallel(ParallelStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "LTXVideoUpsampler3d", "LTXUpsamplerParallel")
+        if self.dim == 3:
+            attach(module, Annotation(None, 3, _ltx_rows(module)), device_mesh)
+            return module
         _check_time_dim(self.dim, "LTXUpsamplerParallel")
         conv = module.conv
         k, stride = conv.kernel_size[0], conv.conv.stride[0]
@@ -683,13 +1030,29 @@ class LTXUpsamplerParallel(ParallelStyle):
         before, after = (k - 1, 0) if conv.is_causal else ((k - 1) // 2, (k - 1) // 2)
         stencil = ConvDepthToSpaceStencil(module.stride[0], before, after)
         attach(module, Annotation(None, self.dim, stencil), device_mesh)
+        _also_rows(module, _ltx_rows)
         return module
+
+
+def _ltx_rows(module: nn.Module) -> ConvRepeatStencil:
+    """The upsampler's stencil along H: its conv (stride 1, centred zero padding of its
+    own), then depth-to-space by its stride along H."""
+    conv = module.conv.conv
+    k, stride, pad = conv.kernel_size[1], conv.stride[1], conv.padding[1]
+    if (stride != 1 or conv.dilation[1] != 1 or conv.padding_mode != "zeros"
+            or 2 * pad != k - 1):
+        raise HaloError(f"LTXUpsamplerParallel(dim=3) expects a conv of stride 1 with its "
+                        f"own zero padding (k - 1) // 2 along H, got kernel {k}, stride "
+                        f"{stride}, padding {pad}, padding_mode {conv.padding_mode!r}")
+    return ConvRepeatStencil(module.stride[1], pad)
 
 
 # ---------------------------------------------------------------- plans
 # class name -> (style for it, whether the style covers the module's children too: all of
 # them, or the named ones)
-_Rule = tuple[Callable[[nn.Module], ParallelStyle | None], bool | tuple[str, ...]]
+# (or `{relative fqn: style}` for the module and its children)
+_Rule = tuple[Callable[[nn.Module], ParallelStyle | dict[str, ParallelStyle] | None],
+              bool | tuple[str, ...]]
 
 
 def _causal_conv(module: nn.Module) -> ParallelStyle:
@@ -840,6 +1203,221 @@ def _pointwise(module: nn.Module) -> ParallelStyle:
     return LocalParallel()
 
 
+# ---------------------------------------------------------------- H, and T and H at once
+# Per dims setting, the rules that replace a family's T rules (keyed by the classes
+# `_PLANS` knows). A class with a T rule of its own and none here is refused when the plan
+# is built (`_refused`); containers, activations and blocks that only call their children
+# (`_PASS`) read no row but their own and keep their rule.
+_Along = dict[str, dict[str, _Rule]]
+
+
+def _refused(cls: str, dims: tuple[int, ...]) -> _Rule:
+    def refuse(module: nn.Module) -> None:
+        raise HaloError(f"{cls} cannot be sharded on dims {dims} by this plan: its rule "
+                        "is planned along T only (dims=(2,)); expected dims=(2,), or a plan "
+                        "entry of your own for it")
+    return refuse, True
+
+
+def _rows_causal_conv(module: nn.Module) -> ParallelStyle:
+    """HunyuanVideo's (and Mochi's replicate) causal conv with H sharded: its `F.pad` of
+    H is centred, so `CausalConvParallel(dim=3)` with those widths (any stride)."""
+    if module.pad_mode not in _PAD:
+        raise HaloError(f"a causal conv with pad_mode {module.pad_mode!r} is not supported; "
+                        f"expected one of {sorted(_PAD)}")
+    left, right = module.time_causal_padding[2:4]
+    return CausalConvParallel(pad=_PAD[module.pad_mode], dim=3,  # type: ignore[arg-type]
+                              pads={3: (left, right)})
+
+
+def _time_rows_causal_conv(module: nn.Module) -> ParallelStyle:
+    """The same with T and H sharded: the T halo causal, the H halo holds its `F.pad`."""
+    if module.pad_mode != "replicate":
+        raise HaloError(f"a causal conv with pad_mode {module.pad_mode!r} is planned on T "
+                        "and H with pad_mode 'replicate' only (F.pad of T and H)")
+    left, right = module.time_causal_padding[2:4]
+    return CausalConvParallel(pad="replicate", pads={3: (left, right)})
+
+
+def _rows_pointwise(module: nn.Module) -> ParallelStyle:
+    _pointwise(module)  # refuses a conv that is not 1x1x1
+    return LocalParallel(dim=3)
+
+
+def _rows_ltx_conv(module: nn.Module) -> dict[str, ParallelStyle]:
+    """LTX's conv with H sharded: the wrapper pads T only (run on the H chunk), its conv
+    pads H itself (`padding`, any stride): the halo derived from the conv."""
+    return {"conv": HaloParallel(dim=3)}
+
+
+def _ltx_patches_rows(module: nn.Module) -> None:
+    """The encoder's patchify and the decoder's unpatchify fold `patch_size` rows into
+    channels in their own forward: only 1 keeps H apart."""
+    _ltx_patches(module)
+    if module.patch_size != 1:
+        raise HaloError(f"{type(module).__name__} with patch_size={module.patch_size} "
+                        "folds rows into channels in its own forward; planned on H with "
+                        "patch_size=1 only")
+
+
+def _ltx_decoder_rows(module: nn.Module) -> ParallelStyle | None:
+    _ltx_patches_rows(module)
+    return _timestep_rows(module, "time_embedder")
+
+
+def _timestep_rows(module: nn.Module, name: str) -> ParallelStyle | None:
+    _timestep_conditioned(module, name)  # refuses noise injection
+    return ReplicatedArgsParallel(dim=3) if getattr(module, name, None) is not None else None
+
+
+def _ltx_decoder_time_rows(module: nn.Module) -> None:
+    _ltx_patches_rows(module)
+    if getattr(module, "time_embedder", None) is not None:
+        raise HaloError("LTXVideoDecoder3d with timestep conditioning is planned on T or on "
+                        "H, not on both at once (ReplicatedArgsParallel takes one sharded "
+                        "mesh axis)")
+
+
+def _no_timestep(module: nn.Module) -> None:
+    if getattr(module, "scale_shift_table", None) is not None:
+        raise HaloError(f"{type(module).__name__} with timestep conditioning is planned on "
+                        "T or on H, not on both at once")
+
+
+_HUNYUAN_ROWS: dict[str, _Rule] = {
+    "HunyuanVideoCausalConv3d": (_rows_causal_conv, True),
+    "HunyuanVideoUpsampleCausal3D": (lambda m: HunyuanUpsampleParallel(dim=3), True),
+    "HunyuanVideoMidBlock3D": (lambda m: HunyuanMidBlockParallel(dim=3), False),
+    "Attention": (lambda m: None, True),  # run by the mid-block's style
+    "GroupNorm": (lambda m: GroupNormParallel(dim=3), True),
+    "Conv3d": (_rows_pointwise, True),
+}
+_HUNYUAN_TIME_ROWS: dict[str, _Rule] = {
+    "HunyuanVideoMidBlock3D": (lambda m: HunyuanMidBlockParallel(), False),
+    "Attention": (lambda m: None, True),  # run by the mid-block's style
+    "HunyuanVideoUpsampleCausal3D": (lambda m: HunyuanUpsampleParallel(), True),
+    "HunyuanVideoCausalConv3d": (_time_rows_causal_conv, True),
+    "GroupNorm": (lambda m: GroupNormParallel(), True),  # statistics over both axes
+    "Conv3d": (lambda m: _pointwise(m), True),  # per slice along H too (kernel 1)
+}
+_MOCHI_ROWS: dict[str, _Rule] = {
+    "CogVideoXCausalConv3d": (_rows_causal_conv, True),  # F.pad of H, replicate
+    # per frame: (B*T, C, H, W) in its own forward, the GroupNorm's statistics over H
+    "MochiChunkedGroupNorm3D": (lambda m: {"norm_layer": GroupNormParallel()}, True),
+    "MochiDownBlock3D": (lambda m: MochiBlockParallel(dim=3), False),
+    "MochiMidBlock3D": (lambda m: MochiBlockParallel(dim=3), False),
+    "MochiUpBlock3D": (lambda m: MochiUpBlockParallel(dim=3), ("proj",)),
+    "Attention": (lambda m: None, True),  # run by the block's style
+    "FourierFeatures": (lambda m: LocalParallel(dim=3), True),
+    "Linear": (lambda m: LocalParallel(dim=2), True),  # channels-last: H at dim 2
+    "Conv3d": (_rows_pointwise, True),
+}
+def _cog_rows_conv(module: nn.Module) -> ParallelStyle | dict[str, ParallelStyle]:
+    """CogVideoX's causal conv with H sharded: replicate mode pads H with `F.pad`
+    (Mochi's), constant mode leaves H to its conv's own zero padding (its `torch.cat` of
+    first frames is along T, whole here)."""
+    if module.pad_mode == "replicate":
+        return _rows_causal_conv(module)
+    return {"conv": HaloParallel(dim=3)}
+
+
+def _cog_rows_resample(module: nn.Module) -> ParallelStyle:
+    """CogVideoX's samplers along H: down pads one zero row at the end, then a 3x3 conv
+    of stride 2; up repeats each row twice (nearest), then a 3x3 conv with padding 1.
+    Each runs unedited on a window of rows; T (their first-frame rule) is whole here."""
+    conv = module.conv
+    k, stride, pad = conv.kernel_size[0], conv.stride[0], conv.padding[0]
+    if type(module).__name__ == "CogVideoXDownsample3D":
+        if (k, stride, pad) != (3, 2, 0):
+            raise HaloError(f"CogVideoXDownsample3D along H expects a 3x3 conv of stride 2 "
+                            f"and no padding, got kernel {k}, stride {stride}, padding {pad}")
+        stencil: Any = ConvStencil(span=3, stride=2, pad_right=1)
+    else:
+        if (k, stride, pad) != (3, 1, 1):
+            raise HaloError(f"CogVideoXUpsample3D along H expects a 3x3 conv of stride 1 "
+                            f"and padding 1, got kernel {k}, stride {stride}, padding {pad}")
+        stencil = RepeatConvStencil(2, 1, pad="zeros")
+    return HaloParallel(stencil, dim=3)
+
+
+_COGVIDEOX_ROWS: dict[str, _Rule] = {
+    "CogVideoXCausalConv3d": (_cog_rows_conv, True),
+    "CogVideoXDownsample3D": (_cog_rows_resample, True),
+    "CogVideoXUpsample3D": (_cog_rows_resample, True),
+    "CogVideoXSpatialNorm3D": (lambda m: CogSpatialNormParallel(dim=3), True),
+    "CogVideoXSafeConv3d": (_rows_pointwise, True),
+    "GroupNorm": (lambda m: GroupNormParallel(dim=3), True),
+}
+_LTX_ROWS: dict[str, _Rule] = {
+    "LTXVideoEncoder3d": (_ltx_patches_rows, False),
+    "LTXVideoDecoder3d": (_ltx_decoder_rows, False),
+    "LTXVideoCausalConv3d": (_rows_ltx_conv, True),
+    "LTXVideoUpsampler3d": (lambda m: LTXUpsamplerParallel(dim=3), True),
+    "RMSNorm": (lambda m: LocalParallel(dim=2), True),  # channels-last: H at dim 2
+    "LayerNorm": (lambda m: LocalParallel(dim=2), True),
+    "LTXVideoResnetBlock3d": (lambda m: _timestep_rows(m, "scale_shift_table"), False),
+    "PixArtAlphaCombinedTimestepSizeEmbeddings": (lambda m: None, True),
+}
+_LTX_TIME_ROWS: dict[str, _Rule] = {
+    "LTXVideoEncoder3d": (_ltx_patches_rows, False),
+    "LTXVideoDecoder3d": (_ltx_decoder_time_rows, False),
+    "LTXVideoCausalConv3d": (_ltx_causal_conv, True),  # the H halo from its conv
+    "LTXVideoUpsampler3d": (lambda m: LTXUpsamplerParallel(), True),  # windows on both
+    "RMSNorm": (lambda m: LocalParallel(dim=1, local_dims=(2,)), True),
+    "LayerNorm": (lambda m: LocalParallel(dim=1, local_dims=(2,)), True),
+    "LTXVideoResnetBlock3d": (_no_timestep, False),
+    "PixArtAlphaCombinedTimestepSizeEmbeddings": (lambda m: None, True),
+}
+_MOCHI_TIME_ROWS: dict[str, _Rule] = {
+    "MochiChunkedGroupNorm3D": (lambda m: _FrameNormParallel(), True),
+    "MochiDownBlock3D": (lambda m: MochiBlockParallel(), False),  # attention along T
+    "MochiMidBlock3D": (lambda m: MochiBlockParallel(), False),
+    "MochiUpBlock3D": (lambda m: MochiUpBlockParallel(), ("proj",)),
+    "Attention": (lambda m: None, True),  # run by the block's style
+    "FourierFeatures": (lambda m: LocalParallel(local_dims=(3,)), True),
+    "Linear": (lambda m: LocalParallel(dim=1, local_dims=(2,)), True),  # channels-last
+    "CogVideoXCausalConv3d": (_time_rows_causal_conv, True),
+    "Conv3d": (lambda m: _pointwise(m), True),  # per slice along H too (kernel 1)
+}
+
+
+def _family(names: tuple[str, ...], rules: dict[str, _Rule]) -> _Along:
+    return dict.fromkeys(names, rules)
+
+
+_HUNYUAN_NAMES = ("AutoencoderKLHunyuanVideo", "HunyuanVideoEncoder3D",
+                  "HunyuanVideoDecoder3D")
+_MOCHI_NAMES = ("AutoencoderKLMochi", "MochiEncoder3D", "MochiDecoder3D")
+_LTX_NAMES = ("AutoencoderKLLTXVideo", "LTXVideoEncoder3d", "LTXVideoDecoder3d")
+_ALONG: dict[tuple[int, ...], _Along] = {
+    (3,): {**_family(_HUNYUAN_NAMES, _HUNYUAN_ROWS), **_family(_LTX_NAMES, _LTX_ROWS),
+           **_family(_MOCHI_NAMES, _MOCHI_ROWS),
+           **_family(("AutoencoderKLCogVideoX", "CogVideoXEncoder3D", "CogVideoXDecoder3D"),
+                     _COGVIDEOX_ROWS)},
+    (2, 3): {**_family(_HUNYUAN_NAMES, _HUNYUAN_TIME_ROWS),
+             **_family(_LTX_NAMES, _LTX_TIME_ROWS),
+             **_family(_MOCHI_NAMES, _MOCHI_TIME_ROWS)},
+}
+
+
+def _check_dims(dims: Any) -> tuple[int, ...]:
+    got = tuple(dims) if isinstance(dims, (tuple, list)) else None
+    if got not in ((2,), (3,), (2, 3)):
+        raise HaloError(f"plan_for takes dims=(2,) (T), (3,) (H) or (2, 3) (T and H on a "
+                        f"(t, h) mesh), got dims={dims!r}")
+    return got  # type: ignore[return-value]
+
+
+def _rules_along(name: str, dims: tuple[int, ...]) -> dict[str, _Rule]:
+    """The rules of `name`'s family for `dims`: the T rules, or those replacing them."""
+    rules = _PLANS[name]
+    if dims == (2,):
+        return rules
+    along = _ALONG[dims].get(name, {})
+    return {**{cls: rule if rule is _PASS else along.get(cls, _refused(cls, dims))
+               for cls, rule in rules.items()}, **along}
+
+
 # The VAE's own switches that change how `encode` / `decode` walk T, and how to turn each off.
 _FLAGS = {
     "use_tiling": "disable_tiling(): spatial tiles would each be sharded on their own",
@@ -868,7 +1446,22 @@ def _refuse_unknown(fqn: str, sub: nn.Module, model: str) -> None:
                     "DTensor's default dispatch (the whole clip gathered, or an error)")
 
 
-def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
+def _styles(rule: _Rule, sub: nn.Module, fqn: str) -> dict[str, ParallelStyle]:
+    """The styles a rule gives `sub` (and its children, by relative fqn); its refusal
+    names the layer."""
+    try:
+        style = rule[0](sub)
+    except HaloError as e:
+        if fqn and str(e).startswith(f"{fqn} "):
+            raise
+        raise HaloError(f"{fqn or '<root>'} ({type(sub).__name__}): {e}") from None
+    if isinstance(style, dict):
+        return style
+    return {} if style is None else {"": style}
+
+
+def plan_for(module: nn.Module, *, dims: tuple[int, ...] = (2,)
+             ) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of a diffusers video VAE, encoder or decoder.
 
     Every module is checked by class, with or without parameters: a class the plan knows
@@ -878,16 +1471,27 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
     encoding or decoding: HunyuanVideo's default) must be off. An `.encoder` or `.decoder`
     planned alone is for calling directly: only `plan_for(vae)` sees those switches.
 
+    `dims` picks the sharded dims of `(B, C, T, H, W)`: `(2,)` T (every model); `(3,)` H
+    (HunyuanVideo, CogVideoX with its own `_encode` / `_decode` frame-batch loops, Mochi,
+    LTX-Video with `patch_size=1`), applied on a 1-D mesh with the input `Shard(3)`;
+    `(2, 3)` T and H at once (HunyuanVideo, Mochi, LTX-Video with `patch_size=1` and no
+    timestep conditioning), applied on the `t` axis of a `(t, h)` mesh
+    (`parallelize_module(vae, mesh["t"], plan)`) with the input `[Shard(2), Shard(3)]`. A
+    layer that cannot be sharded on `dims` raises `HaloError` naming it and the dims when
+    the plan is built (on T and H: CogVideoX's layers).
+
     Args:
         module: `AutoencoderKLHunyuanVideo`, `AutoencoderKLCogVideoX`, `AutoencoderKLMochi`
             or `AutoencoderKLLTXVideo`, or its `.encoder` / `.decoder`.
+        dims: `(2,)`, `(3,)` or `(2, 3)`.
 
     Returns:
         `{fqn: style}` for every layer that needs one, relative to `module`.
 
     Raises:
         HaloError: for an unsupported class, a switch that is on (named, with how to turn
-            it off), or a layer the plan does not know (named by fqn).
+            it off), a layer the plan does not know (named by fqn), other `dims`, or a
+            layer that cannot be sharded on `dims` (named by fqn).
 
     Example::
         plan = plan_for(vae.decoder)
@@ -895,6 +1499,7 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
         vae.decoder(distribute_tensor(z, mesh, [Shard(2)])).shape  # z: (1, 16, 5, 8, 8)
         # torch.Size([1, 3, 17, 64, 64])
     """
+    dims = _check_dims(dims)
     rules = _PLANS.get(type(module).__name__)
     if type(module).__name__ in ("AutoencoderKLWan", "WanEncoder3d", "WanDecoder3d"):
         raise HaloError(f"{type(module).__name__}: Wan's encode and decode are chunk loops "
@@ -904,6 +1509,7 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
         raise HaloError(f"no haloshard plan for {type(module).__name__}; supported: "
                         f"{sorted(_PLANS)} (diffusers=={DIFFUSERS_VERSION})")
     _check_flags(module)
+    rules = _rules_along(type(module).__name__, dims)
     plan: dict[str, ParallelStyle] = {}
     covered: list[str] = []
     for fqn, sub in module.named_modules():
@@ -913,9 +1519,8 @@ def plan_for(module: nn.Module) -> dict[str, ParallelStyle]:
         if rule is None:
             _refuse_unknown(fqn, sub, type(module).__name__)
             continue
-        style = rule[0](sub)
-        if style is not None:
-            plan[fqn] = style
+        for name, style in _styles(rule, sub, fqn).items():
+            plan[".".join(n for n in (fqn, name) if n)] = style
         if rule[1] is True:
             covered.append(fqn)
         elif rule[1]:  # names of children the style runs itself
