@@ -253,8 +253,9 @@ def blocks_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *
     status and `HaloError` is raised on every rank after the last block.
 
     Example::
+        >>> k = v = rank_map(mesh, lambda r: torch.randn(1, 8, (4, 4, 4, 1)[r], 4, 4))
         >>> [src for src, (k_b, v_b) in blocks_many((k, v), 2, mesh, global_length=13)]
-        [0, 1]
+        [0, 1, 2, 3]
     """
     grp = _comm.resolve_group(group)
     tensors = tuple(tensors)

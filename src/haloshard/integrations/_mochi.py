@@ -86,9 +86,8 @@ def mochi_decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
         HaloError: for another model, or tiling, slicing or framewise decoding on.
 
     Example::
-        >>> parallelize_module(vae, mesh, plan_for(vae))
-        >>> mochi_decode(vae, distribute_tensor(z, mesh, [Shard(2)])).shape[2]  # z: T = 3
-        13
+        parallelize_module(vae, mesh, plan_for(vae))
+        mochi_decode(vae, distribute_tensor(z, mesh, [Shard(2)])).shape[2]  # z: T = 3 -> 13
     """
     _check_vae(vae)
     dec = vae.decoder(z)[0]
