@@ -42,7 +42,11 @@ Columns, per shape (time over the floor's):
 - `peak / floor`: peak memory allocated during one step (torch's memory profiler), default
   over the floor, `pk ovl` and `pk xf` the same for `overlap` and `no ovl`, and `limit`:
   what the target allows
-  (floor + halo slices) * 1.05.
+  (floor + halo slices) * 1.05;
+- `fixed ms`: the default's time minus the best plain exact formulation's (`exact`), in
+  ms per step, paired round by round: what the library adds per step whatever the layer's
+  size. The last default row (conv1d C8 T64) is tiny, its conv well under 1 ms: there this
+  column is the library's fixed cost per step (target: at most 1 ms).
 
 The device follows the mesh: on a machine with GPUs (`--device cuda`) the same script runs on
 NCCL. Ratios, not times: absolute times on a 2-core VM vary by 3% or more between runs.
@@ -66,6 +70,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from benchmarks import steady_allocator
 from haloshard import HaloParallel, HaloShard
+from haloshard._compat import c10d_name
 from haloshard._conv import halo_taps
 from haloshard._plan import exchange_plan
 from haloshard.testing import GlooWorld, shard, worker_mesh
@@ -136,6 +141,8 @@ def matrix(full: bool) -> list[Case]:
         Case("conv2d", 64, 512, (64,), 3, False),
         Case("conv1d", 512, 8192, (), 5, False), Case("dwconv1d", 1024, 8192, (), 4, True),
         Case("conv3d", 64, 16, (48, 48), 3, False, torch.bfloat16),
+        # tiny: the conv itself takes well under 1 ms, so `fixed ms` is the fixed cost
+        Case("conv1d", 8, 64, (), 3, False),
     ]
     if full:
         cases += [Case("conv3d", c, t, (s, s), 3, causal)
@@ -151,7 +158,10 @@ class _Count:
 
     def __init__(self) -> None:
         self.sent = self.meta = 0
-        self._a2a, self._ag = dist.all_to_all_single, dist.all_gather_single
+        # c10d's all-gather into one tensor by its name in the installed torch (2.12 calls
+        # it `all_gather_into_tensor`)
+        self._gather_name = c10d_name("all_gather_single")
+        self._a2a, self._ag = dist.all_to_all_single, getattr(dist, self._gather_name)
 
     def __enter__(self) -> _Count:
         rank = dist.get_rank()
@@ -168,11 +178,13 @@ class _Count:
             self.meta += 1
             return self._ag(*args, **kwargs)
 
-        dist.all_to_all_single, dist.all_gather_single = a2a, gather
+        dist.all_to_all_single = a2a
+        setattr(dist, self._gather_name, gather)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        dist.all_to_all_single, dist.all_gather_single = self._a2a, self._ag
+        dist.all_to_all_single = self._a2a
+        setattr(dist, self._gather_name, self._ag)
 
 
 def _peak_bytes(step: Callable[[], None]) -> int:
@@ -360,13 +372,27 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
 _SHORT = {"overlap": "ovl", "no overlap": "xf"}
 
 
+def _slowest(ranks: list[dict[str, Any]], name: str) -> list[float]:
+    """`name`'s time per round, a round's time being its slowest rank's (ms)."""
+    return [max(r) for r in zip(*(rank["ms"][name] for rank in ranks), strict=True)]
+
+
+def _fixed_ms(ranks: list[dict[str, Any]], name: str, plain: str) -> float:
+    """What `name` pays per step beyond `plain`, in ms: the median over rounds of their
+    difference in the same round. On a tiny layer, whose conv takes well under a
+    millisecond, this is the library's fixed cost per step (planning lookups, checks,
+    hooks, autograd nodes) over the plain exact formulation with its bare halo move."""
+    return statistics.median(
+        a - b for a, b in zip(_slowest(ranks, name), _slowest(ranks, plain), strict=True))
+
+
 def _ratios(ranks: list[dict[str, Any]], stat: str) -> Callable[[str, str], float]:
     """`ratio(a, b)`: `a`'s time over `b`'s, a round's time being its slowest rank's. With
     `stat="min"`, the fastest round of each (as `timeit` does: on a shared machine another
     process's work only adds time); with "median", the median over rounds of the ratio in
     the same round (paired: a busy spell of the machine slows both alike)."""
     def slowest(name: str) -> list[float]:
-        return [max(r) for r in zip(*(rank["ms"][name] for rank in ranks), strict=True)]
+        return _slowest(ranks, name)
 
     def ratio(a: str, b: str) -> float:
         if stat == "min":
@@ -393,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'shape':<36} {'default':>8} {'overlap':>8} {'no ovl':>8} {'chose':>6} "
           f"{'chosen/best':>11} {'in limit':>8} {'dflt/chsn':>9} {'taps':>6} {'fl+mv':>6} "
           f"{'exact':>6} {'dflt/exact':>10} {'sent/halo':>10} {'meta':>5} {'peak/floor':>11} "
-          f"{'pk ovl':>7} {'pk xf':>6} {'pk exact':>8} {'limit':>6}")
+          f"{'pk ovl':>7} {'pk xf':>6} {'pk exact':>8} {'limit':>6} {'fixed ms':>8}")
     worst = worst_best = worst_fit = worst_exact = ("", 0.0)
     with GlooWorld(args.ranks, timeout=3600) as gloo:
         for case in cases:
@@ -436,7 +462,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{exact:>6.3f} {over_exact:>10.3f} "
                   f"{max(r['sent'] for r in ranks):>10.2f} "
                   f"{max(r['meta'] for r in ranks):>5} {peak:>11.3f} {peak_ovl:>7.3f} "
-                  f"{peak_xf:>6.3f} {peak_exact:>8.3f} {limit:>6.3f}")
+                  f"{peak_xf:>6.3f} {peak_exact:>8.3f} {limit:>6.3f} "
+                  f"{_fixed_ms(ranks, 'default', best_raw):>8.3f}")
     print(f"worst default / floor: {worst[1]:.3f} ({worst[0]}); worst chosen / best: "
           f"{worst_best[1]:.3f} ({worst_best[0]}); worst chosen / best within the memory "
           f"limit: {worst_fit[1]:.3f} ({worst_fit[0]}); worst default / best plain exact: "
