@@ -16,12 +16,12 @@ from haloshard import (
     ConvStencil,
     FirstFrameStencil,
     HaloParallel,
+    PadMode,
     ResampleStencil,
     Stencil,
     TransposeStencil,
     annotate,
 )
-from haloshard._layout import PadMode  # the Literal of pad modes (not exported yet)
 
 
 @dataclass(frozen=True)

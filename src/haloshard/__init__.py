@@ -28,7 +28,7 @@ from haloshard._layer_styles import (
     LocalParallel,
     ReplicatedArgsParallel,
 )
-from haloshard._layout import PAD_MODES, HaloShard, shard_size_and_offset, shard_sizes
+from haloshard._layout import PAD_MODES, HaloShard, PadMode, shard_size_and_offset, shard_sizes
 from haloshard._masked_attention import frame_attention
 from haloshard._norms import group_norm
 from haloshard._redistribute import redistribute
@@ -41,6 +41,7 @@ from haloshard._verify import PlanReport, verify_plan
 __all__ = [
     # layout
     "PAD_MODES",
+    "PadMode",
     "HaloShard",
     "shard_size_and_offset",
     "shard_sizes",
