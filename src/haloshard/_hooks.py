@@ -39,7 +39,7 @@ from haloshard._compat import (
     enabled_local_tensor_mode,
     maybe_run_for_local_tensor,
 )
-from haloshard._conv import halo_conv, slow_window, taps_layout
+from haloshard._conv import halo_conv, slow_window, taps_layout, with_spare_slice
 from haloshard._errors import HaloError
 from haloshard._exchange import Reuse, _dtype_code, exchange, leave_agreement, shown
 from haloshard._forward import (
@@ -56,7 +56,6 @@ from haloshard._layout import (
     check_pad_fits,
     shard_size_and_offset,
     shard_sizes,
-    with_spare_slice,
 )
 from haloshard._specs import (
     _CONVS,
