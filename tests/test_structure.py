@@ -130,3 +130,71 @@ def test_fx_repr_names_only_the_class() -> None:
     text, names = p.__fx_repr__()
     assert names == {"HaloShard": HaloShard}
     assert eval(text, names) == p  # as the FX codegen evaluates it
+
+
+def test_library_modules_do_not_import_the_test_helpers() -> None:
+    """`verify_plan` is a library API: what it shares with `haloshard.testing` lives in an
+    internal module below both (only the demo, which runs simulated ranks, uses testing)."""
+    users = {m for m, edges in import_graph().items() if "haloshard.testing" in edges}
+    assert users == {"haloshard.demo"}, users
+    import haloshard._per_rank as per_rank_module
+    import haloshard.testing as testing
+
+    for name in ("per_rank", "rank_map", "seeded_randn", "shard", "single_device"):
+        assert getattr(testing, name) is getattr(per_rank_module, name)
+
+
+def test_only_comm_sets_the_collective_label() -> None:
+    """The label that names a module in a collective's timeout is set through
+    `_comm.labelled`, not by assigning `_comm.current_label` elsewhere."""
+    setters = [path.name for path in sorted(PACKAGE.rglob("*.py")) if path.name != "_comm.py"
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Attribute) and node.attr == "current_label"
+               and isinstance(node.ctx, ast.Store)]
+    assert setters == [], setters
+
+
+def _unwrapping_functions() -> set[str]:
+    """`module.Class` of every autograd Function whose forward unwraps a DTensor."""
+    found = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(cls, ast.ClassDef) or not any(
+                    getattr(base, "attr", getattr(base, "id", None)) == "Function"
+                    for base in cls.bases):
+                continue
+            forwards = [f for f in cls.body if isinstance(f, ast.FunctionDef)
+                        and f.name == "forward"]
+            if any(isinstance(node, ast.Attribute) and node.attr == "to_local"
+                   for f in forwards for node in ast.walk(f)):
+                found.add(f"{path.stem}.{cls.name}")
+    return found
+
+
+def test_one_differentiable_unwrap() -> None:
+    """`_redistribute.unwrap` is the package's one `to_local` with a layout-keeping backward;
+    `verify_plan`'s `_Tap` differs on purpose (a DTensor stays a DTensor, its gradient is
+    recorded as it arrives)."""
+    assert _unwrapping_functions() == {"_redistribute._Unwrap", "_verify._Tap"}
+
+
+def test_one_pad_mode_table() -> None:
+    """Each pad mode's `F.pad` name is written once, in `_layout` (the public `PAD_MODES`
+    follows it); no other module spells out a table of them."""
+    from haloshard._layout import F_PAD_MODES, PAD_MODES
+
+    assert PAD_MODES == tuple(F_PAD_MODES) == ("zeros", "replicate", "reflect", "circular")
+    tables = [path.name for path in sorted(PACKAGE.rglob("*.py"))
+              for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.Dict) and {"reflect", "circular"} <= {
+                  k.value for k in node.keys if isinstance(k, ast.Constant)}]
+    assert tables == ["_layout.py"], tables
+
+
+def test_halo_parallel_states_the_trial_margin() -> None:
+    """`HaloParallel`'s docstring gives the margin the formulation trial applies."""
+    from haloshard import HaloParallel
+    from haloshard._hooks import _EXCHANGE_FIRST_MARGIN
+
+    doc = " ".join((HaloParallel.__doc__ or "").split())
+    assert f"must be {round(_EXCHANGE_FIRST_MARGIN * 100)}% faster" in doc

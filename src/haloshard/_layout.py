@@ -18,7 +18,11 @@ from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError
 
 PadMode = Literal["zeros", "replicate", "reflect", "circular"]
-PAD_MODES: tuple[str, ...] = ("zeros", "replicate", "reflect", "circular")
+# The package's one pad-mode table: each mode's name in `F.pad` (`nn.Conv`'s `padding_mode`
+# spells them as we do).
+F_PAD_MODES: dict[str, str] = {"zeros": "constant", "replicate": "replicate",
+                               "reflect": "reflect", "circular": "circular"}
+PAD_MODES: tuple[str, ...] = tuple(F_PAD_MODES)
 # Internal: like reflect / circular, with zeros beyond one reflection / wrap. The hooks use
 # them when a layer's shared halo is wider than those modes allow but no window reads past
 # the single-device padding.
