@@ -198,3 +198,20 @@ def test_halo_parallel_states_the_trial_margin() -> None:
 
     doc = " ".join((HaloParallel.__doc__ or "").split())
     assert f"must be {round(_EXCHANGE_FIRST_MARGIN * 100)}% faster" in doc
+
+
+def test_transports_are_objects_in_one_registry() -> None:
+    """A transport's behaviour lives on its object in `_exchange`'s registry: no library
+    module compares a transport's name (the registry's order is the metadata rows' code
+    order). The demo, which reports each transport's bytes, is a user of the API."""
+    from haloshard import TRANSPORTS
+    from haloshard._exchange import _TRANSPORTS, Transport
+
+    assert TRANSPORTS == ("all_to_all", "p2p", "allgather")
+    assert all(isinstance(t, Transport) and t.name == n for n, t in _TRANSPORTS.items())
+    compared = [path.name for path in sorted(PACKAGE.rglob("*.py")) if path.name != "demo.py"
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Compare) and any(
+                    isinstance(c, ast.Constant) and c.value in TRANSPORTS
+                    for c in [node.left, *node.comparators])]
+    assert compared == [], compared

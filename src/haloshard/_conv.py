@@ -206,7 +206,8 @@ def _early(move: HaloMove, length: Any) -> bool:
     """Whether the halo gradients can travel during the chunk conv's backward (see above)."""
     route = move.route
     transit = [*route.send_splits, *route.recv_splits]
-    if route.transport == "allgather" or not all(isinstance(n, int) for n in (*transit, length)):
+    if not route.transport.backward_overlaps or not all(
+            isinstance(n, int) for n in (*transit, length)):
         return False  # every rank's slices in transit; symbolic sizes (compiled, simulated)
     return sum(transit) <= _EARLY_SHARE * length
 
