@@ -8,6 +8,7 @@ mishandle that placement silently.
 
 __version__ = "0.1.0.dev0"  # the one place it is set: pyproject.toml reads it
 
+from haloshard import _dtensor_ops, _layout
 from haloshard._attention import attention, gather_along
 from haloshard._comm import set_timeout
 from haloshard._conv import halo_conv
@@ -37,6 +38,9 @@ from haloshard._specs import ConvStencil, ResampleStencil, Stencil, TransposeSte
 from haloshard._styles import HaloParallel, halo_handles, halo_plan, reduce_grads
 from haloshard._varlen import packed, varlen_conv
 from haloshard._verify import PlanReport, verify_plan
+
+# The DTensor guards install with the first HaloShard built, not here (see _layout).
+_layout.call_when_built(_dtensor_ops.install)
 
 __all__ = [
     # layout

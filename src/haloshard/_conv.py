@@ -41,12 +41,25 @@ from haloshard._exchange import (
     memory_format,
     prepare_halo,
 )
-from haloshard._layout import with_spare_slice
 from haloshard._specs import halo_supplies_padding
 from haloshard._tracing import planner_cache, surfaces_errors
 
 _conv = torch.ops.aten.convolution.default
 _conv_backward = torch.ops.aten.convolution_backward.default
+
+
+def with_spare_slice(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """`t` with one zero slice appended along `dim` where it has none (per rank): an empty
+    chunk (T < P) runs a conv or a per-slice module on one zero slice, whose output is
+    dropped; convs and pooling refuse empty inputs.
+
+    Example::
+        >>> with_spare_slice(torch.ones(2, 0), 1).shape, with_spare_slice(torch.ones(2, 3), 1).shape
+        (torch.Size([2, 1]), torch.Size([2, 3]))
+    """
+    shape = list(t.shape)
+    shape[dim] = torch.sym_max(0, 1 - shape[dim])
+    return torch.cat([t, t.new_zeros(shape)], dim)
 
 
 # The formulations of `halo_conv` (`_ConvArgs.path`): the chunk's own conv plus boundary
@@ -193,7 +206,8 @@ def _early(move: HaloMove, length: Any) -> bool:
     """Whether the halo gradients can travel during the chunk conv's backward (see above)."""
     route = move.route
     transit = [*route.send_splits, *route.recv_splits]
-    if route.transport == "allgather" or not all(isinstance(n, int) for n in (*transit, length)):
+    if not route.transport.backward_overlaps or not all(
+            isinstance(n, int) for n in (*transit, length)):
         return False  # every rank's slices in transit; symbolic sizes (compiled, simulated)
     return sum(transit) <= _EARLY_SHARE * length
 

@@ -28,7 +28,6 @@ from haloshard._plan import HaloFill, Held, Runs, as_runs, exchange_plan, halo_f
 from haloshard._simulated import per_rank
 from haloshard._tracing import planner_cache, surfaces_errors
 
-TRANSPORTS: tuple[str, ...] = ("all_to_all", "p2p", "allgather")
 _DTYPES = (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
     torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
@@ -89,6 +88,11 @@ def _local_problem(
     if transport not in TRANSPORTS:
         return f"transport must be one of {TRANSPORTS} or None, got {transport!r}"
     return None
+
+
+def _carries_flags(transport: str) -> bool:
+    """Whether the named transport's forward move can carry the agreed steady state's flag."""
+    return transport in _TRANSPORTS and _TRANSPORTS[transport].carries_flags
 
 
 def _code(value: object, choices: tuple[object, ...]) -> int:
@@ -186,7 +190,7 @@ def _agree(
         check_pad_fits(sum(lengths), left, right, pad)
         return dim % x.ndim, lengths, False
     key = signature = None
-    if (reuse is not None and transport == "all_to_all" and global_length is not None
+    if (reuse is not None and _carries_flags(transport) and global_length is not None
             and enabled_local_tensor_mode() is None):
         key, signature = (reuse[1], id(group.pg)), (reuse[2], left, right, pad, dim,
                                                      global_length)
@@ -429,7 +433,7 @@ class _Route:
     left: int
     right: int
     pad: str
-    transport: str
+    transport: Transport
     group: Group
     lengths: tuple[int, ...]
     recv_splits: list[Any]
@@ -439,40 +443,120 @@ class _Route:
     held: Held = (0, 0)  # halo widths the input already holds (a re-halo; see `widen`)
 
 
-def _forward_move(x: torch.Tensor, send_idx: torch.Tensor, gather_idx: torch.Tensor,
-                  route: _Route, runs: _Runs | None = None) -> _comm.Pending:
-    """Start carrying the remote halo slices (async where the transport allows).
+class Transport:
+    """How one exchange's rows travel, registered by name in `TRANSPORTS` (the
+    `transport=` of `halo_exchange`). The base moves the chunk's sent slices (`send_idx`)
+    to the ranks that need them, one block per peer, and adds their returning gradients into
+    those slices; a subclass says how the rows move (`_move`) or replaces the steps.
 
-    Its result is the received buffer at the front; for `allgather`, every rank's
-    contribution (pick `gather_pick` out of it once it is needed). With `runs`, the edge
-    slices go to the transport as views of `x`, packed with one copy.
+    Forward: `start` (the rows out) -> `received` (the rows in fill order). Backward:
+    `start_backward` (gradient rows back to their owners) -> `fold` (add them into `g_x`).
     """
-    if route.transport == "allgather":
-        mine = x.index_select(route.dim, gather_idx).movedim(route.dim, 0)
-        filler = mine.new_zeros((route.gather_pad, *mine.shape[1:]))
-        return _comm.Pending(_comm.all_gather(torch.cat([mine, filler]), route.group))
-    send: _comm.Rows = (
-        x.index_select(route.dim, send_idx).movedim(route.dim, 0) if runs is None
-        else _blocks(x, route.dim, runs.send))
-    if route.flagged:
-        return _comm.start_flagged_all_to_all(send, route.recv_splits, route.send_splits,
-                                              route.group, flag=0)
-    move = _comm.start_p2p if route.transport == "p2p" else _comm.start_all_to_all
-    return move(send, route.recv_splits, route.send_splits, route.group)
+
+    name = ""
+    # Its rows are the chunk's sent slices, in order: they may be packed from runs of the
+    # chunk (views, one copy) and their gradients added back by runs.
+    moves_send_rows = True
+    # Its backward moves only this exchange's halo gradients, so they may travel beside
+    # other backward work (`halo_conv`'s chunk backward) within the memory target.
+    backward_overlaps = True
+    # Its forward move can carry the agreed steady state's mistake flag (see `_agree`).
+    carries_flags = False
+
+    def _move(self, rows: _comm.Rows, recv_splits: list[Any], send_splits: list[Any],
+              group: Group) -> _comm.Pending:
+        raise NotImplementedError
+
+    def start(self, x: torch.Tensor, move: HaloMove, runs: _Runs | None) -> _comm.Pending:
+        """Start carrying the remote halo slices (async where the transport allows)."""
+        r = move.route
+        return self._move(_send_rows(x, move, runs), r.recv_splits, r.send_splits, r.group)
+
+    def received(self, recv: torch.Tensor, move: HaloMove) -> torch.Tensor:
+        """The arrived buffer as the received rows, in fill order (dim 0)."""
+        return recv
+
+    def start_backward(self, g_recv: _comm.Rows, move: HaloMove) -> _comm.Pending:
+        """Start the adjoint of `start`: the received rows' gradients back to their owners."""
+        r = move.route
+        return self._move(g_recv, r.send_splits, r.recv_splits, r.group)
+
+    def fold(self, g_x: torch.Tensor, received: torch.Tensor, move: HaloMove) -> None:
+        """Add the arrived halo gradients, in place, into the slices of `g_x` they copy."""
+        dim = move.route.dim
+        g_x.index_add_(dim, move.send_idx, received.movedim(0, dim))
 
 
-def _backward_move(g_recv: _comm.Rows, gather_idx: torch.Tensor, gather_pick: torch.Tensor,
-                   route: _Route) -> _comm.Pending:
-    """Start the adjoint of `_forward_move`: received slices' gradients back to owners
-    (`g_recv`: a tensor for `allgather`)."""
-    if route.transport == "allgather":
+def _send_rows(x: torch.Tensor, move: HaloMove, runs: _Runs | None) -> _comm.Rows:
+    """The chunk's sent slices, dim first; with `runs`, views of `x` (packed with one copy
+    by the transport)."""
+    dim = move.route.dim
+    if runs is None:
+        return x.index_select(dim, move.send_idx).movedim(dim, 0)
+    return _blocks(x, dim, runs.send)
+
+
+class _AllToAll(Transport):
+    """The default: one all-to-all with per-peer split sizes, only halo bytes (compiles)."""
+
+    name, carries_flags = "all_to_all", True
+
+    def _move(self, rows: _comm.Rows, recv_splits: list[Any], send_splits: list[Any],
+              group: Group) -> _comm.Pending:
+        return _comm.start_all_to_all(rows, recv_splits, send_splits, group)
+
+    def start(self, x: torch.Tensor, move: HaloMove, runs: _Runs | None) -> _comm.Pending:
+        r = move.route
+        if not r.flagged:
+            return super().start(x, move, runs)
+        return _comm.start_flagged_all_to_all(_send_rows(x, move, runs), r.recv_splits,
+                                              r.send_splits, r.group, flag=0)
+
+
+class _P2P(Transport):
+    """`batch_isend_irecv` to the peers with halo slices (eager, real processes only)."""
+
+    name = "p2p"
+
+    def _move(self, rows: _comm.Rows, recv_splits: list[Any], send_splits: list[Any],
+              group: Group) -> _comm.Pending:
+        return _comm.start_p2p(rows, recv_splits, send_splits, group)
+
+
+class _AllGather(Transport):
+    """Every rank in the same all-gather of its edge slices (`gather_idx`, padded by
+    `gather_pad` rows to one length); each picks its halo rows (`gather_pick`). Backward:
+    the picked rows' gradients scattered into every rank's slot, then one reduce-scatter."""
+
+    name, moves_send_rows, backward_overlaps = "allgather", False, False
+
+    def start(self, x: torch.Tensor, move: HaloMove, runs: _Runs | None) -> _comm.Pending:
+        r = move.route
+        mine = x.index_select(r.dim, move.gather_idx).movedim(r.dim, 0)
+        filler = mine.new_zeros((r.gather_pad, *mine.shape[1:]))
+        return _comm.Pending(_comm.all_gather(torch.cat([mine, filler]), r.group))
+
+    def received(self, recv: torch.Tensor, move: HaloMove) -> torch.Tensor:
+        return recv.index_select(0, move.gather_pick)
+
+    def start_backward(self, g_recv: _comm.Rows, move: HaloMove) -> _comm.Pending:
         assert isinstance(g_recv, torch.Tensor)
+        r = move.route
         g_every = g_recv.new_zeros(
-            (route.group.size * (gather_idx.shape[0] + route.gather_pad), *g_recv.shape[1:]))
-        g_every.index_add_(0, gather_pick, g_recv)
-        return _comm.Pending(_comm.reduce_scatter(g_every, route.group))
-    move = _comm.start_p2p if route.transport == "p2p" else _comm.start_all_to_all
-    return move(g_recv, route.send_splits, route.recv_splits, route.group)
+            (r.group.size * (move.gather_idx.shape[0] + r.gather_pad), *g_recv.shape[1:]))
+        g_every.index_add_(0, move.gather_pick, g_recv)
+        return _comm.Pending(_comm.reduce_scatter(g_every, r.group))
+
+    def fold(self, g_x: torch.Tensor, received: torch.Tensor, move: HaloMove) -> None:
+        dim = move.route.dim
+        received = received[: move.gather_idx.shape[0]]
+        g_x.index_add_(dim, move.gather_idx, received.movedim(0, dim))
+
+
+# The registry, in the order of the metadata rows' transport codes (see `_row_values`).
+_TRANSPORTS: dict[str, Transport] = {t.name: t for t in (_AllToAll(), _P2P(), _AllGather())}
+TRANSPORTS: tuple[str, ...] = tuple(_TRANSPORTS)
+DEFAULT_TRANSPORT = _AllToAll.name
 
 
 _CHANNELS_LAST = {5: (torch.channels_last_3d, "n t h w c -> n c t h w"),
@@ -543,8 +627,7 @@ class HaloMove:
 
     def start(self, x: torch.Tensor) -> _comm.Pending:
         """Start moving `x`'s edge slices to the ranks that need them."""
-        return _forward_move(x, self.send_idx, self.gather_idx, self.route,
-                             self._runs(x, None))
+        return self.route.transport.start(x, self, self._runs(x, None))
 
     def fill(self, out: torch.Tensor, x: torch.Tensor, moved: _comm.Pending,
              gap: int | None = None) -> None:
@@ -555,10 +638,7 @@ class HaloMove:
         their slot; the rest is zero. Nothing else of `out` is touched.
         """
         route, dim = self.route, self.route.dim
-        recv = moved.wait()
-        if route.transport == "allgather":
-            recv = recv.index_select(0, self.gather_pick)
-        recv = recv.movedim(0, dim)
+        recv = route.transport.received(moved.wait(), self).movedim(0, dim)
         runs = self._runs(out, gap)
         if runs is not None:
             _copy_runs(out, recv, dim, runs.recv)
@@ -606,7 +686,7 @@ class HaloMove:
         chunk = grad.narrow(dim, self.route.left, length)
         runs = self._runs(grad, None)
         if (runs is None or runs.kept is None or g_own is not None
-                or self.route.transport == "allgather"):
+                or not self.route.transport.moves_send_rows):
             g_x = chunk.clone()  # keeps the layout
             self.fold(g_x, moved, g_own)
             return g_x
@@ -634,13 +714,13 @@ class HaloMove:
             g_own = grad.index_select(dim, f.own_pos).index_add_(
                 dim, f.dup_own_slot, grad.index_select(dim, f.dup_own_pos))
         g_recv: _comm.Rows
-        if runs is not None and not runs.dup_recv and self.route.transport != "allgather":
+        if runs is not None and not runs.dup_recv and self.route.transport.moves_send_rows:
             g_recv = _blocks(grad, dim, runs.recv)  # packed once
         else:
             f = self._fill_index(grad.device, gap)
             g_recv = grad.index_select(dim, f.recv_pos).index_add_(
                 dim, f.dup_recv_slot, grad.index_select(dim, f.dup_recv_pos)).movedim(dim, 0)
-        return _backward_move(g_recv, self.gather_idx, self.gather_pick, self.route), g_own
+        return self.route.transport.start_backward(g_recv, self), g_own
 
     def fold(self, g_x: torch.Tensor, moved: _comm.Pending, g_own: torch.Tensor | None
              ) -> None:
@@ -648,12 +728,7 @@ class HaloMove:
         route = self.route
         if g_own is not None:
             g_x.index_add_(route.dim, self.self_idx, g_own)
-        received = moved.wait()
-        if route.transport == "allgather":
-            received = received[: self.gather_idx.shape[0]]
-            g_x.index_add_(route.dim, self.gather_idx, received.movedim(0, route.dim))
-        else:
-            g_x.index_add_(route.dim, self.send_idx, received.movedim(0, route.dim))
+        route.transport.fold(g_x, moved.wait(), self)
 
 
 class _HaloExchange(torch.autograd.Function):
@@ -710,7 +785,7 @@ def prepare_halo(
     `_agree`. Returns the prepared move and every rank's chunk length along `dim`.
     """
     grp = _comm.resolve_group(group)
-    transport = "all_to_all" if transport is None else transport
+    transport = DEFAULT_TRANSPORT if transport is None else transport
     dim, lengths, flagged = _agree(x, left, right, dim, pad, transport, grp, global_length,
                                    problem, reuse)
     if left == right == 0:
@@ -727,8 +802,8 @@ def _route(x: torch.Tensor, left: int, right: int, dim: int, group: Group,
     """The route of an agreed exchange (`dim` normalised, every chunk length known)."""
     recv, send, gather_pad = _split_plan(group.rank, lengths, left, right, pad, group.size,
                                          held)
-    return _Route(dim, left, right, pad, transport, group, lengths, recv, send, gather_pad,
-                  flagged, held)
+    return _Route(dim, left, right, pad, _TRANSPORTS[transport], group, lengths, recv, send,
+                  gather_pad, flagged, held)
 
 
 @surfaces_errors
@@ -834,7 +909,7 @@ def widen(
         >>> widen(x, 2, 1, 2, mesh, held=(1, 0), lengths=(2, 2, 2, 2), pad="zeros").shape
         torch.Size([1, 8, 6])
     """
-    transport = "all_to_all" if transport is None else transport
+    transport = DEFAULT_TRANSPORT if transport is None else transport
     if transport not in TRANSPORTS:
         raise HaloError(f"transport must be one of {TRANSPORTS} or None, got {transport!r}")
     if left == right == 0:

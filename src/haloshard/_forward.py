@@ -1,7 +1,9 @@
 """One mechanism that runs a module sharded: its `forward` replaced by a `ShardedForward`.
 
-Every haloshard style installs one with `install`, whose handle restores exactly the forward
-it replaced (and removes the output hook of `output_layouts`). A call goes: input site (the
+Every haloshard style installs one with `install` (a halo layer's through `_hooks.attach`,
+which first sets its padding along the dim to what the halo supplies), whose handle restores
+exactly the forward and attributes it replaced (and removes the output hook of
+`output_layouts`). A call goes: input site (the
 local chunk of a `Shard(dim)` DTensor, or a plain chunk on the style's 1-D mesh) -> the
 strategy's local computation -> the output chunk, rewrapped as the input came. The
 strategies are subclasses, one `sharded` each:
@@ -120,13 +122,11 @@ class ShardedForward:
             return self.inside(*args, **kwargs)
         name = self.name or type(self.module).__name__
         # Collectives that time out waiting for another rank name this module.
-        label, _comm.current_label = _comm.current_label, name
-        try:
-            return self.sharded(*args, **kwargs)
-        except HaloError as error:
-            raise named(error, name) from error
-        finally:
-            _comm.current_label = label
+        with _comm.labelled(name):
+            try:
+                return self.sharded(*args, **kwargs)
+            except HaloError as error:
+                raise named(error, name) from error
 
     def sharded(self, *args: Any, **kwargs: Any) -> Any:
         """The strategy: this rank's part of the module's output."""
@@ -168,7 +168,7 @@ def names_errors(apply: Callable[[Any, nn.Module, DeviceMesh], nn.Module]
 
 
 class HaloHandle:
-    """Undoes `attach`: `remove()` restores the module's forward and padding exactly.
+    """Undoes `install`: `remove()` restores the module's forward and padding exactly.
 
     Example::
         >>> model = parallelize_module(nn.Sequential(nn.Conv3d(3, 8, 3, padding=1)), mesh,
@@ -249,10 +249,12 @@ def check_layouts(style: str, dim: int, input_layouts: Placement | None,
                         f"got {layout!r}")
 
 
-def install(module: nn.Module, forward: Any) -> HaloHandle:
+def install(module: nn.Module, forward: Any, saved: dict[str, Any] | None = None
+            ) -> HaloHandle:
     """Replace `module.forward` by `forward` (an object with `previous` and `name`
     attributes, which this sets); the returned handle (also `halo_handles(model)`) restores
-    exactly the forward it replaced.
+    exactly the forward it replaced, and the attributes in `saved` (their values before the
+    style changed them, e.g. a halo layer's padding along its dim).
 
     Raises:
         HaloError: when a haloshard style is already applied to the module.
@@ -263,7 +265,7 @@ def install(module: nn.Module, forward: Any) -> HaloHandle:
     forward.previous = module.__dict__.get("forward")
     forward.name = module_name(module)
     module.forward = forward
-    handle = HaloHandle(module, {}, forward.previous)
+    handle = HaloHandle(module, {} if saved is None else saved, forward.previous)
     setattr(module, _HANDLE, handle)
     return handle
 

@@ -39,25 +39,26 @@ from haloshard._compat import (
     enabled_local_tensor_mode,
     maybe_run_for_local_tensor,
 )
-from haloshard._conv import halo_conv, slow_window, taps_layout
+from haloshard._conv import halo_conv, slow_window, taps_layout, with_spare_slice
 from haloshard._errors import HaloError
 from haloshard._exchange import Reuse, _dtype_code, exchange, leave_agreement, shown
+from haloshard._forward import INSIDE as _INSIDE
 from haloshard._forward import (
-    _HANDLE,
     HaloHandle,
     ShardedForward,
     enclosing,
     handle_of,
+    install,
     module_name,
 )
-from haloshard._forward import INSIDE as _INSIDE
 from haloshard._layout import (
+    F_PAD_MODES,
     HaloShard,
     check_pad_fits,
     shard_size_and_offset,
     shard_sizes,
-    with_spare_slice,
 )
+from haloshard._redistribute import unwrap
 from haloshard._specs import (
     _CONVS,
     _SPATIAL,
@@ -96,8 +97,8 @@ _TRIAL_MAX_ROUNDS = 9
 _TRIAL_SECONDS = 0.15
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 _CONV_FNS = (F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d)
-_F_PAD_MODE = {"constant": "zeros", "replicate": "replicate", "reflect": "reflect",
-               "circular": "circular"}
+# `F.pad`'s mode -> the pad mode it applies
+_PAD_OF_F_PAD = {f_pad: pad for pad, f_pad in F_PAD_MODES.items()}
 
 
 @dataclass(frozen=True)
@@ -215,14 +216,12 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
     known = known_forward(module)
     for name, value in new.items():
         setattr(module, name, value)
-    module.forward = _HaloForward(module, annotation, mesh, saved, previous,
-                                  overlap=overlap if known else False,
-                                  watch=(annotation.spec is None and not known
-                                         and isinstance(module, DERIVABLE)),
-                                  name=module_name(module), local=local, known=known)
-    handle = HaloHandle(module, saved, previous)
-    setattr(module, _HANDLE, handle)
-    return handle
+    forward = _HaloForward(module, annotation, mesh, saved, previous,
+                           overlap=overlap if known else False,
+                           watch=(annotation.spec is None and not known
+                                  and isinstance(module, DERIVABLE)),
+                           name=module_name(module), local=local, known=known)
+    return install(module, forward, saved)
 
 
 class _HaloForward(ShardedForward):
@@ -748,30 +747,8 @@ def _dtensor_site(x: DTensor, dim: int, *, several: bool = False) -> _Site:
                                "FirstFrameParallel, LocalParallel, GroupNormParallel and "
                                "AttentionParallel take a second)"))
         others.append((a, d))
-    return _Site(LocalChunk.apply(x), x.device_mesh, axes[0], tuple(x.placements),
+    return _Site(unwrap(x), x.device_mesh, axes[0], tuple(x.placements),
                  tuple(x.shape), dim, tuple(others))
-
-
-class LocalChunk(torch.autograd.Function):
-    """`DTensor.to_local` whose backward reuses the input's global shape and stride.
-
-    Forward: DTensor (global T) -> local chunk (T_r). Backward: chunk gradient (T_r) ->
-    DTensor with the input's layout. torch's own to_local backward recomputes the global
-    stride from each rank's gradient, which under LocalTensorMode with uneven chunks is a
-    per-rank value that DTensor's sharding propagation cannot hash.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: DTensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.layout = (x.device_mesh, tuple(x.placements), x.shape, x.stride())
-        local = x.to_local()
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
-        mesh, placements, shape, stride = ctx.layout
-        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape,
-                                  stride=stride)
 
 
 @maybe_run_for_local_tensor
@@ -1041,7 +1018,7 @@ class _NoPadAlong(TorchFunctionMode):
         k = 2 * (x.ndim - 1 - self.dim)
         if k + 1 < len(widths) and (widths[k] or widths[k + 1]):
             assert self.spec is not None
-            own = (widths[k], widths[k + 1]), _F_PAD_MODE.get(mode), value or 0
+            own = (widths[k], widths[k + 1]), _PAD_OF_F_PAD.get(mode), value or 0
             if own != ((self.spec.left, self.spec.right), self.spec.pad, 0):
                 raise HaloError(
                     f"the module pads dim {self.dim} by {tuple(own[0])} with mode={mode!r} "

@@ -50,6 +50,7 @@ from haloshard._compat import (
     tree_flatten,
     tree_unflatten,
 )
+from haloshard._conv import with_spare_slice
 from haloshard._errors import HaloError
 from haloshard._exchange import Reuse
 from haloshard._forward import (
@@ -76,7 +77,7 @@ from haloshard._hooks import (
     rewrap,
     with_spare,
 )
-from haloshard._layout import HaloShard, PadMode, lack, shard_sizes, with_spare_slice
+from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
 from haloshard._norms import group_norm
 from haloshard._specs import (
     _CONVS,

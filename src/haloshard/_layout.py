@@ -8,21 +8,38 @@ global slice every local slice of every rank holds. The exchange plan is built o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 from torch.distributed.tensor.placement_types import Placement, Shard
 
 from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError
 
 PadMode = Literal["zeros", "replicate", "reflect", "circular"]
-PAD_MODES: tuple[str, ...] = ("zeros", "replicate", "reflect", "circular")
+# The package's one pad-mode table: each mode's name in `F.pad` (`nn.Conv`'s `padding_mode`
+# spells them as we do).
+F_PAD_MODES: dict[str, str] = {"zeros": "constant", "replicate": "replicate",
+                               "reflect": "reflect", "circular": "circular"}
+PAD_MODES: tuple[str, ...] = tuple(F_PAD_MODES)
 # Internal: like reflect / circular, with zeros beyond one reflection / wrap. The hooks use
 # them when a layer's shared halo is wider than those modes allow but no window reads past
 # the single-device padding.
 LENIENT_PADS: tuple[str, ...] = ("reflect-or-zeros", "circular-or-zeros")
+
+
+# Run whenever a HaloShard is built. The package's `__init__` puts the DTensor guards here
+# (`_dtensor_ops.install`, idempotent): DTensor mishandles a custom placement silently, so
+# they must be in place before the first one exists, but not at import, so that a program
+# that never builds a HaloShard runs torch unchanged. A hook keeps this module below them.
+_ON_BUILD: list[Callable[[], None]] = []
+
+
+def call_when_built(hook: Callable[[], None]) -> None:
+    """Run `hook()` whenever a `HaloShard` is built from now on (once per hook)."""
+    if hook not in _ON_BUILD:
+        _ON_BUILD.append(hook)
 
 
 def shard_size_and_offset(length: int, num_chunks: int, rank: int) -> tuple[int, int]:
@@ -135,11 +152,8 @@ class HaloShard(Placement):
                 raise HaloError(f"HaloShard {name} must be a non-negative int, got {value!r}")
         if self.pad not in PAD_MODES:
             raise HaloError(f"HaloShard pad must be one of {PAD_MODES}, got {self.pad!r}")
-        # DTensor mishandles a custom placement silently: guard it from the first one built.
-        # Not at import, so a program that never builds a HaloShard runs torch unchanged.
-        from haloshard import _dtensor_ops
-
-        _dtensor_ops.install()
+        for hook in _ON_BUILD:  # the DTensor guards: see _ON_BUILD
+            hook()
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self.dim, self.left, self.right, self.pad))
@@ -152,7 +166,7 @@ class HaloShard(Placement):
         return f"H({self.dim},{self.left},{self.right}{pad})"
 
     def __fx_repr__(self) -> tuple[str, dict[str, object]]:
-        return f"haloshard.{self!r}", {"haloshard": __import__("haloshard")}
+        return repr(self), {type(self).__name__: type(self)}  # the names the repr uses
 
     def shard_size_and_offset(self, length: int, num_chunks: int, rank: int) -> tuple[int, int]:
         """Rank's chunk (size, global offset) without halos, as `Shard(dim)` splits."""
@@ -183,17 +197,3 @@ def lack(n: int, longest: int) -> int:
     """Slices a chunk of `n` lacks to `longest` (per simulated rank): what pads every
     rank's chunk to one length where a kernel cannot take per-rank lengths."""
     return longest - n
-
-
-def with_spare_slice(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """`t` with one zero slice appended along `dim` where it has none (per rank): an empty
-    chunk (T < P) runs a conv or a per-slice module on one zero slice, whose output is
-    dropped; convs and pooling refuse empty inputs.
-
-    Example::
-        >>> with_spare_slice(torch.ones(2, 0), 1).shape, with_spare_slice(torch.ones(2, 3), 1).shape
-        (torch.Size([2, 1]), torch.Size([2, 3]))
-    """
-    shape = list(t.shape)
-    shape[dim] = torch.sym_max(0, 1 - shape[dim])
-    return torch.cat([t, t.new_zeros(shape)], dim)

@@ -98,6 +98,7 @@ def unwrap(dt: DTensor, grad_placements: Sequence[Placement] | None = None) -> t
 
     torch's `to_local` backward recomputes the global stride from the local gradient, which
     yields per-rank symbolic ints for uneven shards under `LocalTensorMode` and then fails.
+    The package's one unwrap: the styles' input sites and `verify_plan` use it too.
     """
     return _Unwrap.apply(dt, tuple(grad_placements or dt.placements))
 
@@ -205,6 +206,11 @@ def redistribute(dt: DTensor, placements: Sequence[Placement], *,
     Steps touching a `HaloShard` move only the halo slices the layout needs (see the module
     docstring); every other step is torch's. The result's `shape` is the global shape and
     its `to_local()` is the rank's chunk with its halos.
+
+    Unlike torch's `dt.redistribute(device_mesh, placements)` it takes no mesh, on purpose:
+    a halo step never changes the mesh, so the result is always on `dt`'s, and a mesh
+    argument could only be wrong. `dt.redistribute(dt.device_mesh, placements)` (or with
+    no mesh) comes here too once a `HaloShard` exists; another mesh raises `HaloError`.
 
     Args:
         dt: the DTensor to move.

@@ -58,12 +58,12 @@ class HaloParallel(ParallelStyle):
         overlap: run a stride-1 conv that keeps the length as `halo_conv` (the chunk's own
             conv runs while the halo travels, boundary corrections follow); False exchanges
             first, then runs the module; None (the default) picks the faster of the two once
-            per input signature by timing both forwards at the layer's first call with it
-            (as `cudnn.benchmark` does; the first step pays for it; exchange-first, which
-            holds an input-sized window more, must be 5% faster), and overlaps where they
-            cannot be timed (compiled or simulated, or under
-            `torch.use_deterministic_algorithms`). Both are exact. A conv subclass with a
-            forward of its own always runs that forward.
+            per input signature by timing both, forward and backward, at the layer's first
+            call with it (as `cudnn.benchmark` does; the first step pays for it;
+            exchange-first, whose backward holds a copy of the chunk, must be 10% faster
+            summed over ranks), and overlaps where they cannot be timed (compiled or
+            simulated, or under `torch.use_deterministic_algorithms`). Both are exact. A
+            conv subclass with a forward of its own always runs that forward.
         local: how the module runs on its window, `local(forward, window, *args,
             **kwargs) -> output`, for a module whose rule along the dim lives in a protocol
             of its own (a feature cache, say); None calls `forward(window, ...)`.

@@ -28,11 +28,8 @@ from haloshard._comm import Group, GroupLike
 from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError, raise_rejected
 from haloshard._exchange import halo_exchange
-from haloshard._layout import PAD_MODES, check_pad_fits, shard_sizes
+from haloshard._layout import F_PAD_MODES, PAD_MODES, check_pad_fits, shard_sizes
 from haloshard._tracing import planner_cache
-
-_F_PAD = {"zeros": "constant", "replicate": "replicate", "reflect": "reflect",
-          "circular": "circular"}
 
 
 class _Boundaries:
@@ -344,7 +341,8 @@ def _pad_other_dims(x: torch.Tensor, args: _ConvArgs) -> tuple[torch.Tensor, lis
     if args.pad == "zeros" and all(lo == hi for lo, hi in pairs):
         return x, [lo for lo, _ in pairs]
     if any(lo or hi for lo, hi in pairs):
-        x = F.pad(x, [w for lo, hi in reversed(pairs) for w in (lo, hi)], mode=_F_PAD[args.pad])
+        widths = [w for lo, hi in reversed(pairs) for w in (lo, hi)]
+        x = F.pad(x, widths, mode=F_PAD_MODES[args.pad])
     return x, [0] * len(pairs)
 
 

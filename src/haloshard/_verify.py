@@ -33,8 +33,8 @@ from torch.utils.hooks import RemovableHandle
 from haloshard import _comm
 from haloshard._attention import gather_along
 from haloshard._errors import HaloError
-from haloshard._hooks import LocalChunk
-from haloshard.testing import per_rank, rank_map, seeded_randn, shard, single_device
+from haloshard._per_rank import per_rank, rank_map, seeded_randn, shard, single_device
+from haloshard._redistribute import unwrap
 
 _INPUT = "<input>"
 
@@ -162,6 +162,8 @@ class _Tap(torch.autograd.Function):
     Forward: x -> x (a new autograd node, so the gradient is this module's alone, not the sum
     over every user of x). Backward: g -> g, recorded. A DTensor goes through its local
     tensor: DTensor's own view would recompute per-rank strides under LocalTensorMode.
+    Not `unwrap`: a DTensor stays a DTensor here (the module still receives one), and the
+    backward records the gradient in whatever placement it arrives.
     """
 
     @staticmethod
@@ -388,7 +390,7 @@ def verify_plan(
         g_local = cotangent if out.shard_dim is None else rank_map(
             mesh, lambda r: shard(cotangent, out.shard_dim, mesh.size(axis), r),
             mesh_axis=axis)
-        (LocalChunk.apply(y) * g_local).sum().backward()
+        (unwrap(y) * g_local).sum().backward()
     except Exception as exc:
         at = rec.stack[-1] if rec.stack else None
         rec.remove()

@@ -6,7 +6,9 @@ The same SPMD test body runs in two harnesses:
 - `GlooWorld(n)`: n real processes on CPU with gloo, started once and reused for many calls
   (the truth). A call that does not return in time kills the world and raises, never hangs.
 `rank_map` and `assert_close_per_rank` make one body work in both; `per_rank` reads every
-rank's value back as plain tensors.
+rank's value back as plain tensors. `shard`, `rank_map`, `per_rank`, `seeded_randn` and
+`single_device` live in `haloshard._per_rank` (`verify_plan`, a library API, uses them
+too and must not import this module) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -43,10 +45,8 @@ from haloshard._compat import (
     maybe_run_for_local_tensor,
 )
 from haloshard._errors import HaloError
-from haloshard._layout import shard_size_and_offset
-
-_F_PAD_MODE = {"zeros": "constant", "replicate": "replicate", "reflect": "reflect",
-               "circular": "circular"}
+from haloshard._layout import F_PAD_MODES, shard_size_and_offset
+from haloshard._per_rank import per_rank, rank_map, seeded_randn, shard, single_device  # noqa: F401
 
 
 def reference_pad(full: torch.Tensor, left: int, right: int, dim: int, pad: str) -> torch.Tensor:
@@ -57,7 +57,7 @@ def reference_pad(full: torch.Tensor, left: int, right: int, dim: int, pad: str)
         tensor([0., 0., 1., 2., 2., 2.])
     """
     flat = rearrange(full.movedim(dim, -1), "... t -> 1 (...) t")
-    out = F.pad(flat, (left, right), mode=_F_PAD_MODE[pad])
+    out = F.pad(flat, (left, right), mode=F_PAD_MODES[pad])
     moved = out.reshape(*full.movedim(dim, -1).shape[:-1], out.shape[-1])
     return moved.movedim(-1, dim)
 
@@ -69,30 +69,6 @@ def reference_halo(
     """Rank's `halo_exchange` output computed on one device: a slice of `reference_pad`."""
     size, offset = shard_size_and_offset(full.shape[dim], world_size, rank)
     return reference_pad(full, left, right, dim, pad).narrow(dim, offset, size + left + right)
-
-
-def shard(full: torch.Tensor, dim: int, world_size: int, rank: int) -> torch.Tensor:
-    """Rank's `Shard(dim)` chunk of `full` (uneven and empty chunks included)."""
-    size, offset = shard_size_and_offset(full.shape[dim], world_size, rank)
-    return full.narrow(dim, offset, size)
-
-
-def single_device() -> contextlib.AbstractContextManager[None]:
-    """Run plain single-device code (the reference) inside a simulated mesh.
-
-    Under `LocalTensorMode` every op, even on plain tensors, is run per simulated rank;
-    the reference must run outside it. A no-op in real processes.
-    """
-    return maybe_disable_local_tensor_mode()
-
-
-def rank_map(mesh: DeviceMesh, fn: Callable[[int], Any], *, mesh_axis: int | str = 0) -> Any:
-    """`fn(rank)` with this rank's coordinate on `mesh_axis`.
-
-    Under `LocalTensorMode` it runs once per simulated rank and returns a LocalTensor (or a
-    per-rank int); in a real process it simply calls `fn`.
-    """
-    return maybe_run_for_local_tensor(fn)(mesh.get_local_rank(mesh_axis))
 
 
 def assert_close_per_rank(
@@ -307,26 +283,6 @@ def counted_collectives(*, by_dtype: bool = False) -> Iterator[collections.Count
             setattr(dist, attr, fn)
 
 
-def per_rank(tensor: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Every rank's local value of `tensor` as plain detached tensors, keyed by global rank.
-
-    A `LocalTensor` (simulated ranks; also after its `simulated_mesh` has closed) gives one
-    entry per simulated rank; a plain tensor in a real process gives this rank's entry only.
-
-    Example::
-        >>> with simulated_mesh(2) as mesh:
-        ...     x = rank_map(mesh, lambda r: torch.full((1,), float(r)))
-        >>> per_rank(x)
-        {0: tensor([0.]), 1: tensor([1.])}
-    """
-    with maybe_disable_local_tensor_mode():
-        if isinstance(tensor, LocalTensor):
-            locals_ = local_tensors(tensor)
-            return {r: locals_[r].detach().clone() for r in sorted(locals_)}
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        return {rank: tensor.detach().clone()}
-
-
 def sum_over_ranks(t: torch.Tensor, mesh: DeviceMesh, *, mesh_axis: int | str = 0) -> torch.Tensor:
     """The sum of `t` over the ranks of `mesh_axis`, as a plain tensor on every rank.
 
@@ -360,16 +316,6 @@ def seeded_module(module: torch.nn.Module, seed: int, *, scale: float = 1.0
         for i, p in enumerate(module.parameters()):
             p.copy_(seeded_randn(tuple(p.shape), seed + i) * scale)
     return module
-
-
-def seeded_randn(shape: Sequence[int], seed: int, dtype: torch.dtype = torch.float64
-                 ) -> torch.Tensor:
-    """A standard-normal tensor from its own generator, made once on one device (also
-    inside a simulated mesh), drawn in float64 and then cast, so every dtype sees the same
-    values."""
-    with single_device():
-        gen = torch.Generator().manual_seed(seed)
-        return torch.randn(tuple(shape), generator=gen, dtype=torch.float64).to(dtype)
 
 
 def sharded(mesh: DeviceMesh, full: torch.Tensor, dim: int = 2
