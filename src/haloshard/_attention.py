@@ -32,6 +32,7 @@ from haloshard._exchange import (
     shown,
 )
 from haloshard._layout import shard_sizes
+from haloshard._tracing import surfaces_errors
 
 
 @maybe_run_for_local_tensor
@@ -189,6 +190,7 @@ def _without_status(every: torch.Tensor, size: int) -> torch.Tensor:
     return blocks[:, :-1].flatten(0, 1)
 
 
+@surfaces_errors
 def gather_along(x: torch.Tensor, dim: int, group: GroupLike, *, global_length: int,
                  frame: int = 1) -> torch.Tensor:
     """All-gather `Shard(dim)` chunks (uneven and empty included) into the global tensor.
@@ -217,8 +219,8 @@ def gather_along(x: torch.Tensor, dim: int, group: GroupLike, *, global_length: 
 
 
 def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *,
-                global_length: int, frame: int = 1, reuse: Reuse | None = None
-                ) -> tuple[torch.Tensor, ...]:
+                global_length: int, frame: int = 1, reuse: Reuse | None = None,
+                problem: str | None = None) -> tuple[torch.Tensor, ...]:
     """`gather_along` for several tensors of one split (e.g. K and V): one metadata row and
     one all-gather for all of them.
 
@@ -228,6 +230,9 @@ def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *
     metadata collective in steady state): `HaloError` on every rank when some ranks
     differ, a fresh agreement when every rank changed alike.
 
+    `problem`: a mistake the caller found in its own arguments on this rank (e.g. a query
+    that does not match K and V): it joins the agreement and raises on every rank.
+
     Example::
         >>> k = v = rank_map(mesh, lambda r: torch.randn(1, 8, (4, 4, 4, 1)[r], 4, 4))
         >>> k_all, v_all = gather_many((k, v), 2, mesh, global_length=13)
@@ -236,7 +241,8 @@ def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *
     """
     grp = _comm.resolve_group(group)
     tensors = tuple(tensors)
-    status = _agree_many(tensors, dim, grp, global_length, frame, reuse, blocks=False)
+    status = _agree_many(tensors, dim, grp, global_length, frame, reuse, blocks=False,
+                         problem=problem)
     return _gather(tensors, dim % tensors[0].ndim, grp, global_length, frame, status)
 
 
@@ -264,19 +270,18 @@ def blocks_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *
 
 
 def _agree_many(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
-                global_length: int, frame: int, reuse: Reuse | None, *, blocks: bool
-                ) -> int | None:
+                global_length: int, frame: int, reuse: Reuse | None, *, blocks: bool,
+                problem: str | None = None) -> int | None:
     """Agree on `tensors` on every rank at once (see `gather_many`); the status the
     transport carries: 0 at an agreed site (a mistake rides in the transport), None when
     this call's metadata row agreed and nothing is cached. `blocks`: the transport is
     `_blocks` (else one all-gather), part of the agreed signature so that a rank whose
     agreement is stale joins the transport its peers run."""
     names = tuple(f"tensor {i}" for i in range(len(tensors)))
-    problem = _problem(tensors, dim, global_length, frame)
+    problem = problem or _problem(tensors, dim, global_length, frame)
     if reuse is None or torch.compiler.is_compiling() or enabled_local_tensor_mode() is not None:
         _agree(tensors, names, dim, grp, global_length, frame, problem)
         return None
-    d = dim % tensors[0].ndim  # `_problem` found it in range, or raises below
     store, signature = reuse
     # One agreement per site (the same key on every rank); the signature, which may differ
     # between ranks, is compared locally (see `haloshard._exchange.Reuse`).
@@ -287,7 +292,7 @@ def _agree_many(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
         del store[key]  # every rank's signature changed: agree afresh, all alike
     if key not in store:  # agree (a mistake raises on every rank), then cache if one buffer
         _agree(tensors, names, dim, grp, global_length, frame, problem)
-        fronts = _fronts(tensors, d)[0]
+        fronts = _fronts(tensors, dim % tensors[0].ndim)[0]  # agreed: dim is in range
         if not _one_buffer(fronts):
             return None
         buffer = (*fronts[0].shape[1:-1], sum(f.shape[-1] for f in fronts))
@@ -403,6 +408,7 @@ def _placeholder_blocks(grp: _comm.Group, global_length: int, frame: int,
             for src in range(grp.size)]
 
 
+@surfaces_errors
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike, *,
               global_length: int, dim: int = 2, scale: float | None = None) -> torch.Tensor:
     """`F.scaled_dot_product_attention` over tokens sharded along `dim` of q, k and v.
