@@ -3,6 +3,13 @@
 - a mistake one rank finds in its own arguments before an agreement (`frame_attention`'s q, k,
   v shapes, `group_norm`'s eps, dim or segments, `varlen_conv`'s documents under its pad
   mode) joins the agreement and raises on every rank at once, not on that rank alone;
+- under torch.compile, `attention`, `group_norm`, `varlen_conv` and `frame_attention` raise
+  `HaloError` (dynamo's `Unsupported: Observed exception` before);
+- under torch.compile, a `global_length` wrong on one rank raises on every rank: the ranks
+  agree once, while dynamo traces (the others waited for the timeout before);
+- `set_timeout` with a timeout that differs between ranks raises on every rank, naming each
+  rank's value (silently accepted before); the longest timeout it accepts still lets gloo
+  run collectives.
 Every case records what each rank raised and how long it took, on real gloo processes.
 """
 
@@ -11,14 +18,24 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from haloshard import HaloError, frame_attention, group_norm, varlen_conv
-from haloshard.testing import GlooWorld, shard, worker_mesh
+from haloshard import (
+    HaloError,
+    attention,
+    frame_attention,
+    group_norm,
+    halo_exchange,
+    set_timeout,
+    varlen_conv,
+)
+from haloshard._comm import _MAX_TIMEOUT
+from haloshard.testing import GlooWorld, reference_halo, shard, worker_mesh
 
 # A mistake every rank sees raises at once: well under a second of work, 5 s with margin for
 # a loaded 2-core machine. The process group's timeout here is 60 s, so a wait would show.
@@ -132,3 +149,193 @@ def test_own_mistakes_raise_inside_the_agreement(world: GlooWorld, name: str) ->
         assert re.search(AGREED[name][1], text), (rank, texts)
         assert seconds < AT_ONCE_S, (rank, seconds, texts)
         assert afterwards == "ok", (rank, afterwards)
+
+
+# ---------------------------------------------------------------- torch.compile
+def _compiled(fn: Callable[..., torch.Tensor], fullgraph: bool = True) -> Callable[..., object]:
+    """`fn` compiled afresh (dynamo forgets earlier graphs, so every rank traces again)."""
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=fullgraph, backend="eager")
+
+
+def _exchange_length(rank: int, case: str) -> int:
+    """T = 8 split (4, 4); rank 1 states another global length."""
+    if rank == 1 and case == "length_wrong_on_one_rank":
+        return 10  # splits (5, 5): rank 1's own chunk of 4 does not fit
+    if rank == 1 and case == "length_differs_on_one_rank":
+        return 9  # splits (5, 4): rank 1's chunk fits; only rank 0's row tells
+    return 8
+
+
+def compiled_exchange_case(case: str) -> tuple[str, float]:
+    """A compiled exchange whose global length one rank states wrongly: what each rank
+    raised and how long it took (tracing included)."""
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    length = _exchange_length(rank, case)
+    fn = _compiled(lambda t: halo_exchange(t, left=1, right=1, dim=2, group=mesh,
+                                           global_length=length))
+    return _outcome(lambda: fn(torch.ones(1, 2, 4)))
+
+
+# Tracing takes seconds on a loaded 2-core machine; a rank left waiting would take the
+# module's 10 s process-group timeout on top, and raise the timeout's error instead.
+TRACED_AT_ONCE_S = 30.0
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case, message", [
+    ("length_wrong_on_one_rank",
+     r"rank 1 must hold 5 slices along dim 2, but its chunk has 4|rank\(s\) \[1\] of the "
+     "group rejected their halo_exchange"),
+    ("length_differs_on_one_rank", r"ranks disagree on global_length: \[8, 9\]"),
+])
+def test_compiled_global_length_raises_on_every_rank(world: GlooWorld, case: str,
+                                                     message: str) -> None:
+    results = world.run(compiled_exchange_case, case)
+    for rank, (text, seconds) in enumerate(results):
+        assert text.startswith("HaloError: ") and re.search(message, text), (rank, results)
+        assert seconds < TRACED_AT_ONCE_S, (rank, results)
+
+
+def compiled_exchange_lengths() -> list[str]:
+    """One compiled exchange over T = 7, 8, 9, 11 (the later ones recompile with a dynamic
+    chunk length): forward and input gradient exact against one device, every time."""
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+
+    def step(x: torch.Tensor, length: int) -> torch.Tensor:
+        return halo_exchange(x, left=2, right=1, dim=2, group=mesh, pad="replicate",
+                             global_length=length)
+
+    fn, bad = _compiled(step), []
+    for length in (7, 8, 9, 11):
+        full = torch.randn(1, 3, length, generator=torch.Generator().manual_seed(length),
+                           dtype=torch.float64)
+        x = shard(full, 2, 2, rank).clone().requires_grad_()
+        y = fn(x, length)
+        weights = torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)
+        (y * weights).sum().backward()
+        ref = full.clone().requires_grad_()
+        outs = [reference_halo(ref, 2, 1, 2, 2, r, "replicate") for r in range(2)]
+        sum((o * torch.arange(o.numel(), dtype=o.dtype).reshape(o.shape)).sum()
+            for o in outs).backward()
+        # A data move and its adjoint: sums of the same integer weights, exact.
+        if not torch.equal(y, outs[rank]) or not torch.equal(x.grad, shard(ref.grad, 2, 2,
+                                                                            rank)):
+            bad.append(f"T={length}")
+    return bad
+
+
+@pytest.mark.gloo
+def test_compiled_exchange_stays_exact_across_lengths(world: GlooWorld) -> None:
+    assert world.run(compiled_exchange_lengths) == [[], []]
+
+
+def _attention_everywhere(mesh: DeviceMesh, rank: int) -> Callable[[torch.Tensor], object]:
+    return lambda t: attention(t, t, t, mesh, global_length=12)  # (6, 6); chunks hold 4
+
+
+def _group_norm_everywhere(mesh: DeviceMesh, rank: int) -> Callable[[torch.Tensor], object]:
+    return lambda t: group_norm(t, 3, None, None, 1e-5, mesh)  # C = 2
+
+
+def _varlen_everywhere(mesh: DeviceMesh, rank: int) -> Callable[[torch.Tensor], object]:
+    return lambda t: varlen_conv(t, torch.ones(2, 2, 3), dim=2, cu_seqlens=[1, 8],
+                                 group=mesh, padding=1)
+
+
+def _frame_attention_everywhere(mesh: DeviceMesh, rank: int
+                                ) -> Callable[[torch.Tensor], object]:
+    return lambda t: frame_attention(t, t[..., :1], t, mesh, global_length=8)
+
+
+COMPILED: dict[str, tuple[Callable[[DeviceMesh, int], Callable[[torch.Tensor], object]], str]] = {
+    "attention": (_attention_everywhere, "global_length=12 splits as [6, 6]"),
+    "group_norm": (_group_norm_everywhere, "group_norm needs C divisible by num_groups=3"),
+    "varlen_conv": (_varlen_everywhere, "cu_seqlens must start at 0"),
+    "frame_attention": (_frame_attention_everywhere,
+                        "frame_attention expects q, k, v of one shape"),
+}
+
+
+def compiled_entry_point(name: str) -> list[str]:
+    """What the caller catches from a compiled call whose arguments are wrong on every
+    rank, with fullgraph=True and without."""
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    fn = COMPILED[name][0](mesh, rank)
+    x = torch.ones(1, 2, 4, 3) if name != "varlen_conv" else torch.ones(1, 2, 4)
+    return [_outcome(lambda g=fullgraph: _compiled(fn, g)(x))[0] for fullgraph in (True, False)]
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_compiled_entry_points_raise_halo_error(world: GlooWorld, name: str) -> None:
+    for rank, got in enumerate(world.run(compiled_entry_point, name)):
+        for fullgraph, text in zip((True, False), got, strict=True):
+            assert text.startswith(f"HaloError: {COMPILED[name][1]}"), (rank, fullgraph, text)
+
+
+# ---------------------------------------------------------------- set_timeout, agreed
+def timeouts_disagree(case: str) -> tuple[str, float, list[float]]:
+    """Rank 1 (of 2) or global rank 3 (of a 2 x 2 mesh) passes another timeout: what each
+    rank raised, how long it took, and its groups' timeouts afterwards (unchanged)."""
+    rank = dist.get_rank()
+    if case == "mesh_2d":
+        mesh = worker_mesh((2, 2), mesh_dim_names=("dp", "cp"))
+        timeout: object = 40 if rank == 3 else 30
+    else:
+        mesh = worker_mesh(2)
+        timeout = {"differs": 40, "nan": float("nan")}[case] if rank == 1 else 30
+    groups = [mesh.get_group(axis) for axis in range(mesh.ndim)]
+    text, seconds = _outcome(lambda: set_timeout(mesh, timeout))  # type: ignore[arg-type]
+    after = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+             for g in groups]
+    return text, seconds, after
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case, message", [
+    ("differs", r"ranks disagree on the set_timeout timeout: \{0: 30.0, 1: 40.0\} "
+                r"\(global rank: seconds\)"),
+    ("nan", r"timeout must be a positive, finite number of seconds .* got nan|rank\(s\) \[1\] "
+            "of the group rejected their set_timeout arguments"),
+])
+def test_set_timeout_agreed(world: GlooWorld, case: str, message: str) -> None:
+    results = world.run(timeouts_disagree, case)
+    for rank, (text, seconds, after) in enumerate(results):
+        assert text.startswith("HaloError: ") and re.search(message, text), (rank, results)
+        assert seconds < AT_ONCE_S, (rank, results)
+        assert after == [10.0], (rank, after)  # the module world's, unchanged
+
+
+@pytest.mark.gloo
+def test_set_timeout_agreed_over_a_2d_mesh() -> None:
+    """Every rank of a (dp, cp) mesh raises, also the ranks whose own axis groups agree."""
+    with GlooWorld(4, pg_timeout=10, timeout=180) as four:
+        results = four.run(timeouts_disagree, "mesh_2d")
+    want = r"\{0: 30.0, 1: 30.0, 2: 30.0, 3: 40.0\} \(global rank: seconds\)"
+    for rank, (text, seconds, after) in enumerate(results):
+        assert text.startswith("HaloError: ") and re.search(want, text), (rank, results)
+        assert seconds < AT_ONCE_S, (rank, results)
+        # init_device_mesh gives a 2-D mesh's axis groups the 30-minute default
+        assert after == [1800.0, 1800.0], (rank, after)
+
+
+def longest_timeout() -> list[str]:
+    """A collective still completes under the longest timeout set_timeout accepts (gloo's
+    deadline, int64 nanoseconds of its clock, overflowed at the former bound of 10**6
+    days, and every later collective timed out at once); the former bound is refused."""
+    mesh = worker_mesh(2)
+    beyond = _outcome(lambda: set_timeout(mesh, timedelta(days=10**6)))[0]
+    set_timeout(mesh, _MAX_TIMEOUT)
+    try:
+        y = halo_exchange(torch.ones(1, 1, 2), left=1, right=1, dim=2, group=mesh)
+    finally:
+        set_timeout(mesh, 10)
+    return [beyond.split(" (at most")[0], str(tuple(y.shape))]
+
+
+@pytest.mark.gloo
+def test_longest_timeout_still_runs_collectives(world: GlooWorld) -> None:
+    for got in world.run(longest_timeout):
+        assert got == ["HaloError: timeout must be a positive, finite number of seconds",
+                       "(1, 1, 4)"], got
