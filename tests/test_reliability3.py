@@ -9,7 +9,9 @@
   agree once, while dynamo traces (the others waited for the timeout before);
 - `set_timeout` with a timeout that differs between ranks raises on every rank, naming each
   rank's value (silently accepted before); the longest timeout it accepts still lets gloo
-  run collectives.
+  run collectives;
+- a module a hand-written plan leaves out is named by fqn with its missing entry in a plain
+  run (DTensor's "got mixed torch.Tensor and DTensor" before), with no module hook.
 Every case records what each rank raised and how long it took, on real gloo processes.
 """
 
@@ -23,10 +25,14 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from haloshard import (
     HaloError,
+    HaloParallel,
     attention,
     frame_attention,
     group_norm,
@@ -35,7 +41,7 @@ from haloshard import (
     varlen_conv,
 )
 from haloshard._comm import _MAX_TIMEOUT
-from haloshard.testing import GlooWorld, reference_halo, shard, worker_mesh
+from haloshard.testing import GlooWorld, reference_halo, shard, simulated_mesh, worker_mesh
 
 # A mistake every rank sees raises at once: well under a second of work, 5 s with margin for
 # a loaded 2-core machine. The process group's timeout here is 60 s, so a wait would show.
@@ -339,3 +345,57 @@ def test_longest_timeout_still_runs_collectives(world: GlooWorld) -> None:
     for got in world.run(longest_timeout):
         assert got == ["HaloError: timeout must be a positive, finite number of seconds",
                        "(1, 1, 4)"], got
+
+
+# ---------------------------------------------------------------- a module left out
+def _three_convs() -> nn.Sequential:
+    torch.manual_seed(0)  # the same weights on every rank
+    return nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), nn.Conv3d(2, 2, 3, padding=1),
+                         nn.Conv3d(2, 2, 3, padding=1))
+
+
+def _run_without_middle_entry(mesh: DeviceMesh) -> None:
+    """The middle conv left out of a hand-written plan."""
+    model = _three_convs()
+    parallelize_module(model, mesh, {"0": HaloParallel(), "2": HaloParallel()})
+    full = torch.randn(1, 2, 5, 3, 3, generator=torch.Generator().manual_seed(1))
+    x = distribute_tensor(full, mesh, [Shard(2)])
+    model(x)
+
+
+@pytest.mark.simulated
+def test_module_left_out_is_named() -> None:
+    """The conv a plan leaves out is named by fqn with its missing entry, in a plain run;
+    still a RuntimeError for code that catches DTensor's own refusal."""
+    with simulated_mesh(2) as mesh:
+        with pytest.raises(HaloError, match=r"^1 \(Conv3d\) has no plan entry: .* Add an "
+                           r"entry for '1' .* DTensor said: aten\.convolution\.default: got "
+                           "mixed torch.Tensor and DTensor"):
+            _run_without_middle_entry(mesh)
+        with pytest.raises(RuntimeError, match=r"^1 \(Conv3d\) has no plan entry"):
+            _run_without_middle_entry(mesh)
+    assert not torch.nn.modules.module._global_forward_hooks  # no process-wide hook
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+@pytest.mark.simulated
+def test_module_left_out_of_an_unplanned_model_keeps_torch_error() -> None:
+    """Only a model that carries haloshard styles gets the named error; a plain conv on a
+    DTensor (no style anywhere in its model) keeps DTensor's own message."""
+    with simulated_mesh(2) as mesh:
+        _ = parallelize_module(_three_convs(), mesh, {"0": HaloParallel()})  # watching now
+        x = distribute_tensor(torch.ones(1, 2, 4, 3, 3), mesh, [Shard(2)])
+        with pytest.raises(RuntimeError, match=r"^aten\.convolution\.default: got mixed") as got:
+            nn.Conv3d(2, 2, 3, padding=1)(x)
+        assert not isinstance(got.value, HaloError)
+
+
+def module_left_out() -> tuple[str, float]:
+    return _outcome(lambda: _run_without_middle_entry(worker_mesh(2)))
+
+
+@pytest.mark.gloo
+def test_module_left_out_named_on_every_rank(world: GlooWorld) -> None:
+    for rank, (text, seconds) in enumerate(world.run(module_left_out)):
+        assert text.startswith("HaloError: 1 (Conv3d) has no plan entry"), (rank, text)
+        assert seconds < AT_ONCE_S, (rank, seconds)

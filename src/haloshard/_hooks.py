@@ -58,6 +58,7 @@ from haloshard._layout import (
     shard_sizes,
     with_spare_slice,
 )
+from haloshard._plan_gaps import watch
 from haloshard._specs import (
     _CONVS,
     _SPATIAL,
@@ -220,6 +221,7 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
                                   watch=(annotation.spec is None and not known
                                          and isinstance(module, DERIVABLE)),
                                   name=module_name(module), local=local, known=known)
+    watch()  # a plan's gaps are named in plain runs (see `haloshard._plan_gaps`)
     handle = HaloHandle(module, saved, previous)
     setattr(module, _HANDLE, handle)
     return handle
