@@ -5,13 +5,16 @@
   mode) joins the agreement and raises on every rank at once, not on that rank alone;
 - under torch.compile, `attention`, `group_norm`, `varlen_conv` and `frame_attention` raise
   `HaloError` (dynamo's `Unsupported: Observed exception` before);
-- under torch.compile, a `global_length` wrong on one rank raises on every rank: the ranks
-  agree once, while dynamo traces (the others waited for the timeout before);
+- under torch.compile, a `global_length` wrong on one rank (`halo_exchange`, `attention`)
+  raises on every rank: the ranks agree once, while dynamo traces (the others waited for
+  the timeout before);
 - `set_timeout` with a timeout that differs between ranks raises on every rank, naming each
   rank's value (silently accepted before); the longest timeout it accepts still lets gloo
   run collectives;
 - a module a hand-written plan leaves out is named by fqn with its missing entry in a plain
-  run (DTensor's "got mixed torch.Tensor and DTensor" before), with no module hook.
+  run (DTensor's "got mixed torch.Tensor and DTensor" before), with no module hook;
+- a rank that runs an extra forward before `reduce_grads` cannot be caught at once (see
+  docs/failures.md); every rank's timeout error names that cause.
 Every case records what each rank raised and how long it took, on real gloo processes.
 """
 
@@ -27,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from haloshard import (
@@ -37,6 +40,7 @@ from haloshard import (
     frame_attention,
     group_norm,
     halo_exchange,
+    reduce_grads,
     set_timeout,
     varlen_conv,
 )
@@ -173,11 +177,14 @@ def _exchange_length(rank: int, case: str) -> int:
     return 8
 
 
-def compiled_exchange_case(case: str) -> tuple[str, float]:
-    """A compiled exchange whose global length one rank states wrongly: what each rank
-    raised and how long it took (tracing included)."""
+def compiled_exchange_case(case: str, what: str = "halo_exchange") -> tuple[str, float]:
+    """A compiled exchange (or attention) whose global length one rank states wrongly: what
+    each rank raised and how long it took (tracing included)."""
     rank, mesh = dist.get_rank(), worker_mesh(2)
     length = _exchange_length(rank, case)
+    if what == "attention":
+        fn = _compiled(lambda t: attention(t, t, t, mesh, global_length=length))
+        return _outcome(lambda: fn(torch.ones(1, 2, 4, 3)))
     fn = _compiled(lambda t: halo_exchange(t, left=1, right=1, dim=2, group=mesh,
                                            global_length=length))
     return _outcome(lambda: fn(torch.ones(1, 2, 4)))
@@ -189,15 +196,16 @@ TRACED_AT_ONCE_S = 30.0
 
 
 @pytest.mark.gloo
+@pytest.mark.parametrize("what", ["halo_exchange", "attention"])
 @pytest.mark.parametrize("case, message", [
     ("length_wrong_on_one_rank",
      r"rank 1 must hold 5 slices along dim 2, but its chunk has 4|rank\(s\) \[1\] of the "
-     "group rejected their halo_exchange"),
+     "group rejected their (halo_exchange|gather) arguments"),
     ("length_differs_on_one_rank", r"ranks disagree on global_length: \[8, 9\]"),
 ])
 def test_compiled_global_length_raises_on_every_rank(world: GlooWorld, case: str,
-                                                     message: str) -> None:
-    results = world.run(compiled_exchange_case, case)
+                                                     message: str, what: str) -> None:
+    results = world.run(compiled_exchange_case, case, what)
     for rank, (text, seconds) in enumerate(results):
         assert text.startswith("HaloError: ") and re.search(message, text), (rank, results)
         assert seconds < TRACED_AT_ONCE_S, (rank, results)
@@ -399,3 +407,47 @@ def test_module_left_out_named_on_every_rank(world: GlooWorld) -> None:
     for rank, (text, seconds) in enumerate(world.run(module_left_out)):
         assert text.startswith("HaloError: 1 (Conv3d) has no plan entry"), (rank, text)
         assert seconds < AT_ONCE_S, (rank, seconds)
+
+
+# ---------------------------------------------------------------- an extra forward
+def extra_forward_then_reduce_grads() -> tuple[str, float]:
+    """Two agreed training steps, then rank 1 alone runs a no_grad forward and every rank
+    calls reduce_grads. No prompt error is possible (docs/failures.md: the two wait in
+    collectives of different kinds, and the steady state sends no metadata); each rank
+    raises at the group's timeout, naming the cause."""
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    torch.manual_seed(0)  # the same weights on every rank
+    conv = nn.Conv1d(2, 2, 3, padding=1)
+    parallelize_module(conv, mesh, HaloParallel())
+    full = torch.randn(1, 2, 7, generator=torch.Generator().manual_seed(1))
+
+    def forward() -> torch.Tensor:
+        x = DTensor.from_local(shard(full, 2, 2, rank), mesh, [Shard(2)], shape=full.shape,
+                               stride=full.stride())
+        return conv(x).to_local()
+
+    for _ in range(2):
+        forward().sum().backward()
+        reduce_grads(conv, mesh)
+    set_timeout(mesh, 5)  # not restored: the timed-out group is discarded with its world
+
+    def step() -> None:
+        if rank == 1:
+            with torch.no_grad():
+                forward()
+        reduce_grads(conv, mesh)
+
+    return _outcome(step)
+
+
+@pytest.mark.gloo
+def test_extra_forward_timeout_names_the_cause() -> None:
+    with GlooWorld(2, pg_timeout=60, timeout=180) as own:  # its group times out
+        results = own.run(extra_forward_then_reduce_grads)
+    wants = ["the reduce_grads metadata exchange did not complete.*reduce_grads must follow "
+             "the same forwards and backwards on every rank: a rank that ran an extra forward",
+             "the halo exchange for .* did not complete.*This rank's call differs from the one "
+             "agreed at this layer .*an extra forward on this rank"]
+    for rank, ((text, seconds), want) in enumerate(zip(results, wants, strict=True)):
+        assert text.startswith("HaloError: ") and re.search(want, text, re.S), (rank, text)
+        assert seconds < 30, (rank, seconds)  # the 5 s timeout, with margin for load

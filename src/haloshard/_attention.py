@@ -12,6 +12,7 @@ fold them in without the full K and V (`haloshard._masked_attention`).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from haloshard._exchange import (
     _check_own_length,
     _dtype_code,
     _length_problem,
+    _own_length_problem,
     _tensor_problem,
     shown,
 )
@@ -68,6 +70,13 @@ def _problem(tensors: tuple[torch.Tensor, ...], dim: int, global_length: object,
 def _meta_row(tensors: tuple[torch.Tensor, ...], dim: int, global_length: int, frame: int,
               error: bool) -> torch.Tensor:
     """One fixed-size row per rank: the same length on every rank whatever went wrong."""
+    return torch.tensor(_row_values(tensors, dim, global_length, frame, error),
+                        dtype=torch.int64)
+
+
+def _row_values(tensors: tuple[torch.Tensor, ...], dim: int, global_length: int, frame: int,
+                error: bool) -> list[Any]:
+    """`_meta_row` as a list (sizes may be symbols under torch.compile)."""
     row = [int(error), _as_int(global_length) if not error else -1,
            _as_int(frame) if not error else -1]
     for t in tensors:
@@ -78,7 +87,7 @@ def _meta_row(tensors: tuple[torch.Tensor, ...], dim: int, global_length: int, f
         sizes = [-1 if i == d else n for i, n in enumerate(t.shape)]
         row += [t.ndim, _dtype_code(t.dtype), int(t.requires_grad), t.shape[d], *sizes,
                 *[-1] * (_MAX_DIMS - len(sizes))]
-    return torch.tensor(row, dtype=torch.int64)
+    return row
 
 
 @maybe_run_for_local_tensor
@@ -100,7 +109,7 @@ def _check_rows(rows: list[list[int]], own: str | None, names: tuple[str, ...]) 
     want = [n_r * frame for n_r in shard_sizes(global_length, len(rows))]
     for k, name in enumerate(names):
         got = [row[3 + k * n + 3] for row in rows]
-        if got != want:
+        if -1 not in got and got != want:  # -1: not sent (traced rows; see `_agree_traced`)
             raise HaloError(f"{name}: chunk lengths {got} (rank by rank) do not match "
                             f"global_length={global_length} (frames of {frame}), which "
                             f"splits as {want}")
@@ -112,19 +121,41 @@ def _agree(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim: int,
     """Check every rank's tensors against `global_length` on every rank at once.
 
     Eager: one all-gather of a fixed-size row (it cannot mismatch, so a mistake on one rank
-    raises `HaloError` everywhere, not a backend abort). Compiled: each rank checks its own
-    chunk length against the stated global length, with no communication.
+    raises `HaloError` everywhere, not a backend abort). Compiled: see `_agree_traced`.
     """
     problem = problem or _problem(tensors, dim, global_length, frame)
     if torch.compiler.is_compiling():
-        if problem is not None:
-            raise HaloError(problem)
-        lengths = tuple(n * frame for n in shard_sizes(global_length, grp.size))
-        for t in tensors:
-            _check_own_length(t.shape[dim], lengths, grp.rank, dim)
+        _agree_traced(tensors, names, dim, grp, global_length, frame, problem)
         return
     row = _meta_row(tensors, dim, global_length, frame, problem is not None)
     _check_rows(_comm.gather_ints(row, grp, "gather metadata exchange"), problem, names)
+
+
+def _agree_traced(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim: int,
+                  grp: _comm.Group, global_length: int, frame: int, problem: str | None
+                  ) -> None:
+    """`_agree` under torch.compile: each rank checks its own chunks against the stated
+    global length, then the ranks agree on their rows once, while dynamo traces, so a
+    mistake on one rank raises on every rank and the graph sends no metadata. Lengths and
+    sizes stay out of the traced row (see `haloshard._exchange._agree_traced`)."""
+    lengths: tuple[int, ...] = ()
+    if problem is None:
+        lengths = tuple(n * frame for n in shard_sizes(global_length, grp.size))
+    if not isinstance(grp.rank, int):  # simulated ranks: nothing real to agree with
+        if problem is not None:
+            raise HaloError(problem)
+        for t in tensors:
+            _check_own_length(t.shape[dim], lengths, grp.rank, dim)
+        return
+    for t in tensors if problem is None else ():
+        problem = problem or _own_length_problem(t.shape[dim], lengths, grp.rank, dim)
+    n = len(_TENSOR_FIELDS)
+    unsent = {3 + k * n + i for k in range(len(tensors)) for i in range(3, n)}
+    row = _row_values(tensors, dim, global_length, frame, problem is not None)
+    rows = _comm.gather_ints_while_tracing(
+        tuple(-1 if i in unsent else operator.index(v) for i, v in enumerate(row)), grp,
+        "gather metadata exchange")
+    _check_rows(rows, problem, names)
 
 
 def _gather(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,

@@ -78,7 +78,8 @@ def waited(collective: str, fn: Callable[[], _T]) -> _T:
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise HaloError(
             f"the {collective}{where} did not complete: another rank of the group did not "
-            "reach it within the process group's timeout (did it raise or skip a layer?), "
+            "reach it within the process group's timeout (did it raise or skip a layer, or "
+            "run a call this rank did not, such as an extra forward?), "
             f"or the group is broken. Backend said: {first}"
         ) from exc
 

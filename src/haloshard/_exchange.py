@@ -281,7 +281,14 @@ def _reuse_agreed(
     placeholder = torch.zeros((sum(send), *slice_shape), dtype=dtype, device=device)
     moved = _comm.start_flagged_all_to_all(placeholder, recv, send, group,
                                            flag=_CHANGED if problem is None else 1)
-    statuses = _comm.statuses(moved)
+    try:
+        statuses = _comm.statuses(moved)
+    except HaloError as error:  # the peers never joined: see docs/failures.md
+        raise HaloError(f"{error}. This rank's call differs from the one agreed at this "
+                        f"layer ({problem or changed}); if the other ranks do not run this "
+                        "call at all (an extra forward on this rank, e.g. under "
+                        "torch.no_grad(), while they call reduce_grads or another layer), "
+                        "they wait in a collective this move cannot meet") from error
     if problem is None and set(statuses) == {_CHANGED}:
         return None
     kept = [r for r, f in enumerate(statuses) if f == 0]
