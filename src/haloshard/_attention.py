@@ -12,6 +12,7 @@ fold them in without the full K and V (`haloshard._masked_attention`).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,10 +29,12 @@ from haloshard._exchange import (
     _check_own_length,
     _dtype_code,
     _length_problem,
+    _own_length_problem,
     _tensor_problem,
     shown,
 )
 from haloshard._layout import shard_sizes
+from haloshard._tracing import surfaces_errors
 
 
 @maybe_run_for_local_tensor
@@ -67,6 +70,13 @@ def _problem(tensors: tuple[torch.Tensor, ...], dim: int, global_length: object,
 def _meta_row(tensors: tuple[torch.Tensor, ...], dim: int, global_length: int, frame: int,
               error: bool) -> torch.Tensor:
     """One fixed-size row per rank: the same length on every rank whatever went wrong."""
+    return torch.tensor(_row_values(tensors, dim, global_length, frame, error),
+                        dtype=torch.int64)
+
+
+def _row_values(tensors: tuple[torch.Tensor, ...], dim: int, global_length: int, frame: int,
+                error: bool) -> list[Any]:
+    """`_meta_row` as a list (sizes may be symbols under torch.compile)."""
     row = [int(error), _as_int(global_length) if not error else -1,
            _as_int(frame) if not error else -1]
     for t in tensors:
@@ -77,7 +87,7 @@ def _meta_row(tensors: tuple[torch.Tensor, ...], dim: int, global_length: int, f
         sizes = [-1 if i == d else n for i, n in enumerate(t.shape)]
         row += [t.ndim, _dtype_code(t.dtype), int(t.requires_grad), t.shape[d], *sizes,
                 *[-1] * (_MAX_DIMS - len(sizes))]
-    return torch.tensor(row, dtype=torch.int64)
+    return row
 
 
 @maybe_run_for_local_tensor
@@ -99,7 +109,7 @@ def _check_rows(rows: list[list[int]], own: str | None, names: tuple[str, ...]) 
     want = [n_r * frame for n_r in shard_sizes(global_length, len(rows))]
     for k, name in enumerate(names):
         got = [row[3 + k * n + 3] for row in rows]
-        if got != want:
+        if -1 not in got and got != want:  # -1: not sent (traced rows; see `_agree_traced`)
             raise HaloError(f"{name}: chunk lengths {got} (rank by rank) do not match "
                             f"global_length={global_length} (frames of {frame}), which "
                             f"splits as {want}")
@@ -111,19 +121,41 @@ def _agree(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim: int,
     """Check every rank's tensors against `global_length` on every rank at once.
 
     Eager: one all-gather of a fixed-size row (it cannot mismatch, so a mistake on one rank
-    raises `HaloError` everywhere, not a backend abort). Compiled: each rank checks its own
-    chunk length against the stated global length, with no communication.
+    raises `HaloError` everywhere, not a backend abort). Compiled: see `_agree_traced`.
     """
     problem = problem or _problem(tensors, dim, global_length, frame)
     if torch.compiler.is_compiling():
-        if problem is not None:
-            raise HaloError(problem)
-        lengths = tuple(n * frame for n in shard_sizes(global_length, grp.size))
-        for t in tensors:
-            _check_own_length(t.shape[dim], lengths, grp.rank, dim)
+        _agree_traced(tensors, names, dim, grp, global_length, frame, problem)
         return
     row = _meta_row(tensors, dim, global_length, frame, problem is not None)
     _check_rows(_comm.gather_ints(row, grp, "gather metadata exchange"), problem, names)
+
+
+def _agree_traced(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim: int,
+                  grp: _comm.Group, global_length: int, frame: int, problem: str | None
+                  ) -> None:
+    """`_agree` under torch.compile: each rank checks its own chunks against the stated
+    global length, then the ranks agree on their rows once, while dynamo traces, so a
+    mistake on one rank raises on every rank and the graph sends no metadata. Lengths and
+    sizes stay out of the traced row (see `haloshard._exchange._agree_traced`)."""
+    lengths: tuple[int, ...] = ()
+    if problem is None:
+        lengths = tuple(n * frame for n in shard_sizes(global_length, grp.size))
+    if not isinstance(grp.rank, int):  # simulated ranks: nothing real to agree with
+        if problem is not None:
+            raise HaloError(problem)
+        for t in tensors:
+            _check_own_length(t.shape[dim], lengths, grp.rank, dim)
+        return
+    for t in tensors if problem is None else ():
+        problem = problem or _own_length_problem(t.shape[dim], lengths, grp.rank, dim)
+    n = len(_TENSOR_FIELDS)
+    unsent = {3 + k * n + i for k in range(len(tensors)) for i in range(3, n)}
+    row = _row_values(tensors, dim, global_length, frame, problem is not None)
+    rows = _comm.gather_ints_while_tracing(
+        tuple(-1 if i in unsent else operator.index(v) for i, v in enumerate(row)), grp,
+        "gather metadata exchange")
+    _check_rows(rows, problem, names)
 
 
 def _gather(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
@@ -189,6 +221,7 @@ def _without_status(every: torch.Tensor, size: int) -> torch.Tensor:
     return blocks[:, :-1].flatten(0, 1)
 
 
+@surfaces_errors
 def gather_along(x: torch.Tensor, dim: int, group: GroupLike, *, global_length: int,
                  frame: int = 1) -> torch.Tensor:
     """All-gather `Shard(dim)` chunks (uneven and empty included) into the global tensor.
@@ -217,8 +250,8 @@ def gather_along(x: torch.Tensor, dim: int, group: GroupLike, *, global_length: 
 
 
 def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *,
-                global_length: int, frame: int = 1, reuse: Reuse | None = None
-                ) -> tuple[torch.Tensor, ...]:
+                global_length: int, frame: int = 1, reuse: Reuse | None = None,
+                problem: str | None = None) -> tuple[torch.Tensor, ...]:
     """`gather_along` for several tensors of one split (e.g. K and V): one metadata row and
     one all-gather for all of them.
 
@@ -228,6 +261,9 @@ def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *
     metadata collective in steady state): `HaloError` on every rank when some ranks
     differ, a fresh agreement when every rank changed alike.
 
+    `problem`: a mistake the caller found in its own arguments on this rank (e.g. a query
+    that does not match K and V): it joins the agreement and raises on every rank.
+
     Example::
         >>> k = v = rank_map(mesh, lambda r: torch.randn(1, 8, (4, 4, 4, 1)[r], 4, 4))
         >>> k_all, v_all = gather_many((k, v), 2, mesh, global_length=13)
@@ -236,7 +272,8 @@ def gather_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *
     """
     grp = _comm.resolve_group(group)
     tensors = tuple(tensors)
-    status = _agree_many(tensors, dim, grp, global_length, frame, reuse, blocks=False)
+    status = _agree_many(tensors, dim, grp, global_length, frame, reuse, blocks=False,
+                         problem=problem)
     return _gather(tensors, dim % tensors[0].ndim, grp, global_length, frame, status)
 
 
@@ -264,19 +301,18 @@ def blocks_many(tensors: tuple[torch.Tensor, ...], dim: int, group: GroupLike, *
 
 
 def _agree_many(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
-                global_length: int, frame: int, reuse: Reuse | None, *, blocks: bool
-                ) -> int | None:
+                global_length: int, frame: int, reuse: Reuse | None, *, blocks: bool,
+                problem: str | None = None) -> int | None:
     """Agree on `tensors` on every rank at once (see `gather_many`); the status the
     transport carries: 0 at an agreed site (a mistake rides in the transport), None when
     this call's metadata row agreed and nothing is cached. `blocks`: the transport is
     `_blocks` (else one all-gather), part of the agreed signature so that a rank whose
     agreement is stale joins the transport its peers run."""
     names = tuple(f"tensor {i}" for i in range(len(tensors)))
-    problem = _problem(tensors, dim, global_length, frame)
+    problem = problem or _problem(tensors, dim, global_length, frame)
     if reuse is None or torch.compiler.is_compiling() or enabled_local_tensor_mode() is not None:
         _agree(tensors, names, dim, grp, global_length, frame, problem)
         return None
-    d = dim % tensors[0].ndim  # `_problem` found it in range, or raises below
     store, signature = reuse
     # One agreement per site (the same key on every rank); the signature, which may differ
     # between ranks, is compared locally (see `haloshard._exchange.Reuse`).
@@ -287,7 +323,7 @@ def _agree_many(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
         del store[key]  # every rank's signature changed: agree afresh, all alike
     if key not in store:  # agree (a mistake raises on every rank), then cache if one buffer
         _agree(tensors, names, dim, grp, global_length, frame, problem)
-        fronts = _fronts(tensors, d)[0]
+        fronts = _fronts(tensors, dim % tensors[0].ndim)[0]  # agreed: dim is in range
         if not _one_buffer(fronts):
             return None
         buffer = (*fronts[0].shape[1:-1], sum(f.shape[-1] for f in fronts))
@@ -403,6 +439,7 @@ def _placeholder_blocks(grp: _comm.Group, global_length: int, frame: int,
             for src in range(grp.size)]
 
 
+@surfaces_errors
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike, *,
               global_length: int, dim: int = 2, scale: float | None = None) -> torch.Tensor:
     """`F.scaled_dot_product_attention` over tokens sharded along `dim` of q, k and v.

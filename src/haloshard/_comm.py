@@ -42,7 +42,8 @@ from haloshard._compat import (
     reduce_scatter_single,
     wait_tensor,
 )
-from haloshard._errors import HaloError
+from haloshard._errors import HaloError, raise_rejected
+from haloshard._tracing import runs_while_tracing
 
 GroupLike = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str]
 _T = TypeVar("_T")
@@ -77,7 +78,8 @@ def waited(collective: str, fn: Callable[[], _T]) -> _T:
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise HaloError(
             f"the {collective}{where} did not complete: another rank of the group did not "
-            "reach it within the process group's timeout (did it raise or skip a layer?), "
+            "reach it within the process group's timeout (did it raise or skip a layer, or "
+            "run a call this rank did not, such as an extra forward?), "
             f"or the group is broken. Backend said: {first}"
         ) from exc
 
@@ -89,22 +91,68 @@ def set_timeout(group: GroupLike, timeout: float | timedelta) -> None:
     whatever `init_process_group(timeout=...)` said; call this once after building the mesh
     so a rank that fails before a halo layer makes the others raise `HaloError` in time.
 
+    Every rank of the group (of the mesh) must call it with the same timeout: the ranks
+    agree on it first, in one small all-gather per mesh axis under the old timeout.
+
+    Raises:
+        HaloError: on every rank, when a rank's timeout is not a positive, finite number
+            of seconds or a timedelta, or when the ranks pass different timeouts (each
+            rank's value named); nothing is changed then.
+
     Example::
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
         haloshard.set_timeout(mesh, 60)  # seconds
     """
-    delta = _timeout_delta(timeout)
+    problem, delta = None, None
+    try:
+        delta = _timeout_delta(timeout)
+    except HaloError as error:
+        problem = str(error)
     if isinstance(group, DeviceMesh):
-        groups = [group.get_group(axis) for axis in range(group.ndim)]
+        # last axis first: the gathered rows then come in the mesh's row-major order
+        groups = [_from_mesh(group, axis) for axis in reversed(range(group.ndim))]
+        ranks: list[int] | None = group.mesh.flatten().tolist()
     else:
-        groups = [resolve_group(group).pg]
-    for pg in groups:
-        pg.set_timeout(delta)
+        groups, ranks = [resolve_group(group)], None
+    if enabled_local_tensor_mode() is not None:  # simulated ranks share this one call
+        if problem is not None:
+            raise HaloError(problem)
+    else:
+        _check_timeouts(_gather_timeouts(delta, problem, groups), problem, ranks)
+    assert delta is not None  # a problem raised above
+    for grp in groups:
+        grp.pg.set_timeout(delta)
 
 
-# Longer than any run, and well inside what the backends hold (gloo rejects timedelta.max,
-# which overflows its int64 count).
-_MAX_TIMEOUT = timedelta(days=10**6)
+def _gather_timeouts(delta: timedelta | None, problem: str | None, groups: list[Group]
+                     ) -> list[int]:
+    """Every rank's (flag, microseconds) pair, flat: one all-gather per group, each carrying
+    what the ones before gathered, so every rank of a mesh ends with every rank's pair."""
+    micros = -1 if delta is None else delta // timedelta(microseconds=1)
+    values = [int(problem is not None), micros]
+    for grp in groups:
+        rows = gather_ints(torch.tensor(values, dtype=torch.int64), grp,
+                           "set_timeout agreement")
+        values = [v for row in rows for v in row]
+    return values
+
+
+def _check_timeouts(pairs: list[int], problem: str | None, ranks: list[int] | None) -> None:
+    """The same `HaloError` on every rank when a rank's timeout is bad or they differ."""
+    raise_rejected(problem, pairs[0::2], "set_timeout")
+    micros = pairs[1::2]
+    if len(set(micros)) > 1:
+        seconds = [m / 1e6 for m in micros]
+        shown = (f"{dict(zip(ranks, seconds, strict=True))} (global rank: seconds)" if ranks
+                 else f"{seconds} seconds (rank by rank)")
+        raise HaloError(f"ranks disagree on the set_timeout timeout: {shown}; every rank "
+                        "must pass the same timeout")
+
+
+# Longer than any run, and well inside what the backends hold: gloo rejects timedelta.max,
+# and counts a collective's deadline in int64 nanoseconds of its clock, which 10**6 days
+# overflowed (every later collective then timed out at once); 100 years fit 3 times over.
+_MAX_TIMEOUT = timedelta(days=36500)
 
 
 def _timeout_delta(timeout: object) -> timedelta:
@@ -359,6 +407,28 @@ def gather_ints(values: torch.Tensor, group: Group, what: str = "halo metadata e
     rows = [flat[i * width : (i + 1) * width] for i in range(group.size)]
     _check_tags([r[0] for r in rows])
     return [r[2 : 2 + n] for r in rows]
+
+
+def gather_ints_while_tracing(values: tuple[int, ...], group: Group,
+                              what: str = "halo metadata exchange") -> list[list[int]]:
+    """`gather_ints` under torch.compile: run for real while dynamo traces, once per trace
+    (every rank traces the same calls in the same order); the graph keeps the rows as a
+    constant, so a compiled call sends no metadata. `values`: plain ints (a dynamic size
+    cannot travel: pass -1 for it).
+
+    Raises:
+        HaloError: on every rank, when the ranks are in different exchanges (`what`), or
+            (after the group's timeout) when a rank does not trace this call.
+    """
+    return [list(row) for row in _gather_now(group.pg.group_name, values, what)]
+
+
+@runs_while_tracing
+def _gather_now(group_name: str, values: tuple[int, ...], what: str
+                ) -> tuple[tuple[int, ...], ...]:
+    group = _from_pg(dist.distributed_c10d._resolve_process_group(group_name))
+    rows = gather_ints(torch.tensor(values, dtype=torch.int64), group, what)
+    return tuple(tuple(row) for row in rows)
 
 
 @maybe_run_for_local_tensor

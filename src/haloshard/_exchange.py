@@ -11,6 +11,7 @@ from, on its owner.
 
 from __future__ import annotations
 
+import operator
 import zlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, fields
@@ -181,14 +182,8 @@ def _agree(
                or _local_problem(x, left, right, dim, pad, transport)
                or _length_problem(global_length))
     if torch.compiler.is_compiling():
-        # No data-dependent metadata exchange in a graph: the caller states the length,
-        # and each rank checks its own chunk against it (no communication).
-        if problem is not None or global_length is None:
-            raise HaloError(problem or "under torch.compile pass global_length=")
-        lengths = shard_sizes(global_length, group.size)
-        _check_own_length(x.shape[dim], lengths, group.rank, dim)
-        check_pad_fits(sum(lengths), left, right, pad)
-        return dim % x.ndim, lengths, False
+        return _agree_traced(x, left, right, dim, pad, transport, group, global_length,
+                             problem)
     key = signature = None
     if (reuse is not None and _carries_flags(transport) and global_length is not None
             and enabled_local_tensor_mode() is None):
@@ -215,6 +210,43 @@ def _agree(
         reuse[0][key] = (rows[group.rank], lengths, x.dtype,  # type: ignore[index]
                          tuple(n for i, n in enumerate(x.shape) if i != d), x.device,
                          signature)
+    return dim % x.ndim, lengths, False
+
+
+def _agree_traced(
+    x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str,
+    group: Group, global_length: int | None, problem: str | None,
+) -> tuple[int, tuple[int, ...], bool]:
+    """`_agree` under torch.compile. No data-dependent metadata exchange in a graph: the
+    caller states the length, each rank checks its own chunk against it, and the ranks
+    agree on their rows once, while dynamo traces (`gather_ints_while_tracing`), so a
+    mistake on one rank raises on every rank and the graph sends no metadata."""
+    if problem is None and global_length is None:
+        problem = "under torch.compile pass global_length="
+    lengths: tuple[int, ...] = ()
+    if problem is None:
+        assert global_length is not None
+        lengths = shard_sizes(global_length, group.size)
+    if not isinstance(group.rank, int):  # simulated ranks: nothing real to agree with
+        if problem is not None:
+            raise HaloError(problem)
+        _check_own_length(x.shape[dim], lengths, group.rank, dim)
+    else:
+        if problem is None:
+            problem = _own_length_problem(x.shape[dim], lengths, group.rank, dim)
+        row = ([1] + [-1] * (len(_FIELDS) - 1) if not isinstance(x, torch.Tensor) else
+               _row_values(x, left, right, dim, pad, transport, problem is not None,
+                           global_length))
+        # Sizes stay out: a dynamic size is a symbol here (dynamo cannot tell it from an
+        # int), and specialising it would recompile per size. This rank's own length is
+        # in its error flag; other sizes that differ fail in the move, not silently. The
+        # rest (a dynamic global_length among them) is specialised (`operator.index`, a
+        # guard): the agreement's arguments must be constants of the trace.
+        sizes = {_LEN, *range(_FIELDS.index("size of dim 0"), len(_FIELDS))}
+        rows = _comm.gather_ints_while_tracing(
+            tuple(-1 if i in sizes else operator.index(v) for i, v in enumerate(row)), group)
+        _check_rows(rows, problem)
+    check_pad_fits(sum(lengths), left, right, pad)
     return dim % x.ndim, lengths, False
 
 
@@ -253,7 +285,14 @@ def _reuse_agreed(
     placeholder = torch.zeros((sum(send), *slice_shape), dtype=dtype, device=device)
     moved = _comm.start_flagged_all_to_all(placeholder, recv, send, group,
                                            flag=_CHANGED if problem is None else 1)
-    statuses = _comm.statuses(moved)
+    try:
+        statuses = _comm.statuses(moved)
+    except HaloError as error:  # the peers never joined: see docs/failures.md
+        raise HaloError(f"{error}. This rank's call differs from the one agreed at this "
+                        f"layer ({problem or changed}); if the other ranks do not run this "
+                        "call at all (an extra forward on this rank, e.g. under "
+                        "torch.no_grad(), while they call reduce_grads or another layer), "
+                        "they wait in a collective this move cannot meet") from error
     if problem is None and set(statuses) == {_CHANGED}:
         return None
     kept = [r for r, f in enumerate(statuses) if f == 0]
@@ -305,11 +344,18 @@ def _length_problem(global_length: object) -> str | None:
 def _check_own_length(length: int, lengths: tuple[int, ...], rank: int | torch.SymInt,
                       dim: int) -> None:
     """This rank's chunk against its `Shard` split of the stated global length."""
+    problem = _own_length_problem(length, lengths, rank, dim)
+    if problem is not None:
+        raise HaloError(problem)
+
+
+def _own_length_problem(length: int, lengths: tuple[int, ...], rank: int | torch.SymInt,
+                        dim: int) -> str | None:
     if length != lengths[rank]:
-        raise HaloError(
-            f"global_length={sum(lengths)} splits as {list(lengths)} over {len(lengths)} "
-            f"ranks, so rank {rank} must hold {lengths[rank]} slices along dim {dim}, but its "
-            f"chunk has {length}")
+        return (f"global_length={sum(lengths)} splits as {list(lengths)} over {len(lengths)} "
+                f"ranks, so rank {rank} must hold {lengths[rank]} slices along dim {dim}, but "
+                f"its chunk has {length}")
+    return None
 
 
 def _check_lengths(lengths: tuple[int, ...], global_length: int | None, dim: int) -> None:

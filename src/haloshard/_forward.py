@@ -41,6 +41,7 @@ from torch.utils.hooks import RemovableHandle
 
 from haloshard import _comm
 from haloshard._errors import HaloError, named
+from haloshard._plan_gaps import watch
 from haloshard._tracing import surfaces_errors
 
 _HANDLE = "_haloshard_handle"
@@ -262,6 +263,7 @@ def install(module: nn.Module, forward: Any, saved: dict[str, Any] | None = None
     if handle_of(module) is not None:
         raise HaloError(f"a haloshard style is already applied to {type(module).__name__}; "
                         "call its handle's remove() first")
+    watch()  # a plan's gaps are named in plain runs (see `haloshard._plan_gaps`)
     forward.previous = module.__dict__.get("forward")
     forward.name = module_name(module)
     module.forward = forward

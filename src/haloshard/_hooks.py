@@ -58,6 +58,7 @@ from haloshard._layout import (
     shard_size_and_offset,
     shard_sizes,
 )
+from haloshard._plan_gaps import watch
 from haloshard._redistribute import unwrap
 from haloshard._specs import (
     _CONVS,
@@ -221,7 +222,9 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
                            watch=(annotation.spec is None and not known
                                   and isinstance(module, DERIVABLE)),
                            name=module_name(module), local=local, known=known)
-    return install(module, forward, saved)
+    handle = install(module, forward, saved)
+    watch()  # a plan's gaps are named in plain runs (see `haloshard._plan_gaps`)
+    return handle
 
 
 class _HaloForward(ShardedForward):

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from haloshard._attention import Reuse, blocks_many, gather_many
 from haloshard._comm import Group, GroupLike, resolve_group
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
-from haloshard._errors import HaloError
+from haloshard._exchange import _length_problem
 from haloshard._layout import lack, shard_size_and_offset, shard_sizes
+from haloshard._tracing import surfaces_errors
 
 
 @maybe_run_for_local_tensor
@@ -41,6 +42,7 @@ def _later(rank: int, length: int, world: int, per_frame: int, padded: bool,
     return keys[None, :] > queries[:, None]
 
 
+@surfaces_errors
 def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike, *,
                     global_length: int, causal: bool = True, scale: float | None = None,
                     frames: int | torch.SymInt | None = None, _reuse: Reuse | None = None
@@ -72,17 +74,20 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gr
         This rank's chunk of the attention output, `(..., T_r, S, E)`.
 
     Raises:
-        HaloError: when q, k, v are not at least 3-D or differ in shape.
+        HaloError: on every rank, when any rank's q, k, v are not at least 3-D or differ in
+            shape, or its arguments or chunks do not fit `global_length`.
 
     Example::
         >>> q = torch.randn(1, 2, 3, 16, 4)  # each of 4 ranks: 3 of 12 frames of 16 tokens
         >>> frame_attention(q, q, q, mesh, global_length=12).shape
         torch.Size([1, 2, 3, 16, 4])
     """
-    if q.ndim < 3 or q.shape != k.shape or k.shape != v.shape:
-        raise HaloError(f"frame_attention expects q, k, v of one shape (..., T_r, S, E), got "
-                        f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    problem = _own_problem(q, k, v, global_length, frames)
     grp = resolve_group(group)
+    if problem is not None:  # join the agreement the peers run, so all raise at once
+        gather_many((k, v), -3, group, global_length=global_length, reuse=_reuse,
+                    problem=problem)
+        raise AssertionError("unreachable: an agreement with a problem raises")
     longest = shard_sizes(global_length, grp.size)[0]
     if frames is None and enabled_local_tensor_mode() is not None:
         n = q.shape[-3]
@@ -93,6 +98,25 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gr
         k, v = k.narrow(-3, 0, frames), v.narrow(-3, 0, frames)
     return _attend(q, k, v, group, grp, global_length, causal, scale, frames is not None,
                    _reuse)
+
+
+def _own_problem(q: object, k: object, v: object, global_length: object, frames: object
+                 ) -> str | None:
+    """What is wrong with this rank's own arguments before anything is computed from them,
+    or None (no communication; reported on every rank by the agreement)."""
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+              for t in (q, k, v)]
+    # `!=`, not a set: simulated ranks' sizes are unhashable SymInts
+    if not isinstance(shapes[0], tuple) or len(shapes[0]) < 3 or shapes[0] != shapes[1] or \
+            shapes[1] != shapes[2]:
+        return (f"frame_attention expects q, k, v of one shape (..., T_r, S, E), got "
+                f"{', '.join(map(str, shapes))}")
+    if (problem := _length_problem(global_length)) is not None or global_length is None:
+        return problem or "frame_attention needs global_length="
+    n = shapes[0][-3]
+    if isinstance(frames, int) and isinstance(n, int) and not 0 <= frames <= n:
+        return f"frames={frames} is out of range for a chunk of {shapes[0][-3]} frames"
+    return None
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike, grp: Group,

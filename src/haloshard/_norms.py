@@ -13,6 +13,7 @@ so a mismatch on one rank raises `HaloError` on every rank. The backward is writ
 from __future__ import annotations
 
 import math
+import numbers
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,9 +25,10 @@ from haloshard import _comm
 from haloshard._comm import GroupLike
 from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError, raise_rejected
-from haloshard._exchange import _dtype_code, _tensor_problem, shown
+from haloshard._exchange import _dtype_code, _length_problem, _tensor_problem, shown
 from haloshard._layout import shard_sizes
 from haloshard._segments import Segments, local_segments
+from haloshard._tracing import surfaces_errors
 
 # The statistics all-gather has a fixed-size first block: a metadata row, then as many
 # statistics as fit. Every rank sends the same number of values whatever its arguments, so a
@@ -273,10 +275,11 @@ class _GroupNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,  # type: ignore[override]
                 bias: torch.Tensor | None, groups: int, eps: float, grp: _comm.Group,
-                seg: Segments | None, more: tuple[_comm.Group, ...], along: _Along
-                ) -> torch.Tensor:
+                seg: Segments | None, more: tuple[_comm.Group, ...], along: _Along,
+                problem: str | None) -> torch.Tensor:
         stats = _gather_stats(x, groups, eps, weight, bias,
-                              _norm_problem(x, groups, weight, bias), grp, seg, along)
+                              problem or _norm_problem(x, groups, weight, bias), grp, seg,
+                              along)
         for other in more:  # another mesh axis shards a second dim: combine over it too
             stats = _comm.all_gather(_combined(stats).unsqueeze(0), other,
                                      "group_norm statistics all-gather")
@@ -322,9 +325,10 @@ class _GroupNormFn(torch.autograd.Function):
             dw = (dy * xh).sum((0, *within)).to(weight.dtype)
         if ctx.needs_input_grad[2]:
             db = dy.sum((0, *within)).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
+@surfaces_errors
 def group_norm(
     x: torch.Tensor,
     num_groups: int,
@@ -373,12 +377,34 @@ def group_norm(
         torch.Size([2, 8, 3, 16, 16])
     """
     grp = _comm.resolve_group(group)
-    seg = None
-    if (segments is not None or global_length is not None) and not 2 <= dim < x.ndim:
-        raise HaloError(f"group_norm with segments or global_length needs 2 <= dim < "
-                        f"{x.ndim}, got {dim}")
-    if segments is not None:
-        seg = local_segments(segments, grp.rank, grp.size, dim, _device(x))
     more = tuple(_comm.resolve_group(g) for g in other_groups)
-    along = _along(dim, global_length, segments)
-    return _GroupNormFn.apply(x, weight, bias, num_groups, eps, grp, seg, more, along)
+    problem = _call_problem(x, eps, dim, segments, global_length)
+    seg, along = None, _Along(dim, -1, 0)
+    if problem is None:  # else nothing is built from them: the agreement raises
+        if segments is not None:
+            seg = local_segments(segments, grp.rank, grp.size, dim, _device(x))
+        along = _along(dim, global_length, segments)
+    return _GroupNormFn.apply(x, weight, bias, num_groups, eps, grp, seg, more, along,
+                              problem)
+
+
+def _call_problem(x: object, eps: object, dim: object, segments: object,
+                  global_length: object) -> str | None:
+    """What is wrong with this rank's arguments along the sharded dim, or None: found
+    before anything is built from them, reported on every rank by the agreement."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        return f"group_norm eps must be a real number, got {eps!r}"
+    if (segments is not None or global_length is not None) and not (
+            isinstance(x, torch.Tensor) and isinstance(dim, int) and 2 <= dim < x.ndim):
+        return (f"group_norm with segments or global_length needs 2 <= dim < "
+                f"{getattr(x, 'ndim', '?')}, got {dim!r}")
+    if (problem := _length_problem(global_length)) is not None:
+        return f"group_norm {problem}"
+    if segments is not None:
+        try:
+            lengths = [int(n) for n in segments]  # type: ignore[attr-defined]
+        except (TypeError, ValueError):
+            lengths = [-1]
+        if not lengths or min(lengths) < 0:
+            return f"group_norm segments must be non-negative ints, got {segments!r}"
+    return None

@@ -273,7 +273,17 @@ def _agree_params(named: list[tuple[str, nn.Parameter]], group: _comm.Group) -> 
     parameter list; `HaloError` on every rank otherwise."""
     problem = _grads_problem(named)
     row = torch.tensor([int(problem is not None), len(named), _signature(named)])
-    rows = _comm.gather_ints(row, group, "reduce_grads metadata exchange")
+    try:
+        rows = _comm.gather_ints(row, group, "reduce_grads metadata exchange")
+    except HaloError as error:
+        if not isinstance(error.__cause__, RuntimeError):  # not the backend's timeout
+            raise
+        # A peer in another collective: no prompt error can tell which without a metadata
+        # collective in every forward (see docs/failures.md), so the timeout names it.
+        raise HaloError(f"{error}. reduce_grads must follow the same forwards and "
+                        "backwards on every rank: a rank that ran an extra forward (e.g. "
+                        "under torch.no_grad()) or skipped one waits in that layer's "
+                        "collective, which reduce_grads' collectives cannot meet") from error
     if problem is not None:
         raise HaloError(problem)
     bad = [r for r, got in enumerate(rows) if got[0]]

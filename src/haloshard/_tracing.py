@@ -7,6 +7,9 @@ Dynamo traces through haloshard's pure planners and its argument checks. Two thi
 - a `HaloError` raised in traced code reaches the user as dynamo's own `Unsupported:
   Observed exception` under `fullgraph=True`; `surfaces_errors` re-raises it, at trace time,
   as a `HaloError` that dynamo lets through.
+- an agreement between ranks cannot run inside a graph without sending metadata on every
+  call; `runs_while_tracing` runs it once, for real, while dynamo traces (every rank traces
+  the same calls in the same order), and the graph keeps its result as a constant.
 """
 
 from __future__ import annotations
@@ -63,6 +66,27 @@ def _raise_traced(message: str) -> None:
     # Dynamo calls an `assume_constant_result` function for real (its arguments are trace
     # constants) instead of tracing it: the raise is not dynamo's "observed" exception.
     raise _TracedHaloError(message)
+
+
+def runs_while_tracing(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Decorate a function that dynamo must call for real while it traces (its arguments
+    are trace constants; its result becomes a constant of the graph), e.g. an agreement
+    between ranks that every rank runs once per trace instead of once per call. A
+    `HaloError` it raises reaches the caller as `HaloError`.
+
+    Example::
+        >>> @runs_while_tracing
+        ... def agree(group_name: str, row: tuple[int, ...]) -> tuple[tuple[int, ...], ...]: ...
+    """
+
+    @functools.wraps(fn)
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return fn(*args, **kwargs)
+        except HaloError as error:
+            raise _TracedHaloError(str(error)) from error
+
+    return torch.compiler.assume_constant_result(call)  # type: ignore[no-any-return]
 
 
 def surfaces_errors(fn: Callable[_P, _R]) -> Callable[_P, _R]:

@@ -29,7 +29,7 @@ from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError, raise_rejected
 from haloshard._exchange import halo_exchange
 from haloshard._layout import F_PAD_MODES, PAD_MODES, check_pad_fits, shard_sizes
-from haloshard._tracing import planner_cache
+from haloshard._tracing import planner_cache, surfaces_errors
 
 
 class _Boundaries:
@@ -367,6 +367,7 @@ def _fold_taps(buf: torch.Tensor, index: torch.Tensor, mask: torch.Tensor | None
     return taps.movedim(dim, 2).flatten(1, 2)
 
 
+@surfaces_errors
 def varlen_conv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, dim: int,
     cu_seqlens: Sequence[int] | torch.Tensor, group: GroupLike, left: int | None = None,
@@ -429,6 +430,8 @@ def varlen_conv(
         cu = _as_tuple(cu_seqlens)
         problem = _boundary_problem(cu)
         args = _conv_args(x, weight, dim, left, right, padding, pad, stride, dilation, groups)
+        # before the agreement: the pad mode and padding are this rank's own
+        problem = problem or _document_problem(cu, *args.pairs[args.along], args.pad)
     except HaloError as error:
         problem = problem or str(error)
     at = args.dim if args is not None else 2
@@ -437,8 +440,6 @@ def varlen_conv(
     lo, hi = args.pairs[args.along]
     g = _Geometry(cu, lengths, weight.shape[args.dim], args.dilation[args.along], lo, hi,
                   args.pad)
-    if (doc_problem := _document_problem(cu, lo, hi, args.pad)) is not None:
-        raise HaloError(doc_problem)
     return _conv(x, weight, bias, g, args, group, grp, transport)
 
 

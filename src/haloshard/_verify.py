@@ -34,6 +34,7 @@ from haloshard import _comm
 from haloshard._attention import gather_along
 from haloshard._errors import HaloError
 from haloshard._per_rank import per_rank, rank_map, seeded_randn, shard, single_device
+from haloshard._plan_gaps import MIXED, MissingEntryError, missing_entry
 from haloshard._redistribute import unwrap
 
 _INPUT = "<input>"
@@ -400,24 +401,12 @@ def verify_plan(
                    ref_grads, twin, cp, atol, rtol)
 
 
-# DTensor's refusal of a plain tensor (a parameter) beside a DTensor: what a layer a plan
-# leaves out raises from deep inside torch, naming an aten op but no module.
-_MIXED = "got mixed torch.Tensor and DTensor"
-
-
-def missing_entry(fqn: str, module: nn.Module, raw: str) -> str:
-    """The message for DTensor's mixed-tensor error `raw`, raised while `module` ran."""
-    name = fqn or "<root>"
-    return (f"{name} ({type(module).__name__}) has no plan entry: it ran DTensor's default "
-            "dispatch on the sharded input and met a plain tensor (a parameter). Add an entry "
-            f"for {name!r} (GroupNormParallel() for a GroupNorm, HaloParallel() for a conv, "
-            f"LocalParallel() for a per-slice layer). DTensor said: {raw}")
-
-
 def _error_text(exc: Exception, twin: nn.Module, at: str | None) -> str:
     """What the sharded run raised; DTensor's mixed-tensor error names the module that ran
     it and its missing plan entry (`at` is a recorder key: `fqn#k` for a later call)."""
-    if not (isinstance(exc, RuntimeError) and _MIXED in str(exc)) or at is None:
+    if isinstance(exc, MissingEntryError):  # named already, as in a plain run
+        return str(exc)
+    if not (isinstance(exc, RuntimeError) and MIXED in str(exc)) or at is None:
         return f"{type(exc).__name__}: {exc}"
     fqn = at.split("#")[0]
     return missing_entry(fqn, twin.get_submodule(fqn), str(exc))
