@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -70,6 +71,7 @@ from haloshard._hooks import (
     _NoPadAlong,
     _Site,
     _site,
+    _window,
     attach,
     check_same_length,
     has_spare,
@@ -715,23 +717,77 @@ class AttentionParallel(LocalParallel):
 
 # ---------------------------------------------------------------- temporal resampling
 class _StripPadForward(_HaloForward):
-    """The halo forward of a causal wrapper whose own `F.pad` along dim is dropped."""
+    """The halo forward of a causal wrapper whose own `F.pad` along dim is dropped.
+
+    Its `F.pad` of other dims that are not sharded (`pads` of the style) is applied to the
+    chunk before the exchange instead (`padded_first`), and dropped from the wrapper's call:
+    the window then holds the whole padding, so the wrapper's `F.pad` returns it as it is.
+    Otherwise the wrapper would copy the window to pad those dims, and the chunk-sized
+    window and its padded copy would live at once (one device holds the padded input only).
+    """
 
     strip: HaloShard
     active = False
     wraps_one_conv = True  # a second sharded dim takes the halo of its one conv
+    # the wrapper's own F.pad along dims other than dim, as HaloShard(d, left, right, pad)
+    pads_first: dict[int, HaloShard]
+    padded: dict[int, HaloShard]  # those applied to this call's chunk (set per call)
 
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         # Nested in another halo module, the wrapper keeps its padding (pass-through).
         self.active = not _INSIDE.get()
+        self.padded = {}
         return super().__call__(x, *args, **kwargs)
 
     def original(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
             return super().original(*args, **kwargs)
         # args[0] is the window the halo forward hands the module
-        with _NoPadAlong(self.annotation.dim, self.strip, args[0]):
+        with ExitStack() as stack:
+            for d, spec in self.padded.items():
+                stack.enter_context(_NoPadAlong(d, spec, args[0]))
+            stack.enter_context(_NoPadAlong(self.annotation.dim, self.strip, args[0]))
             return super().original(*args, **kwargs)
+
+    def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
+                       **kwargs: Any) -> Any:
+        self.padded = self.padded_first(site)
+        if not self.padded:
+            return super().exchange_first(site, plan, reuse, *args, **kwargs)
+        window = _padded_window(site, plan, self.annotation, reuse, self.padded)
+        token = _INSIDE.set(True)
+        try:
+            return self.original(window, *args, **kwargs)
+        finally:
+            _INSIDE.reset(token)
+
+    def padded_first(self, site: _Site) -> dict[int, HaloShard]:
+        """The wrapper's own pads along dims this call does not shard, where the chunk can
+        take them: replicate (any mode but zeros) cannot pad a chunk with no slice, and
+        whether any rank holds none is known alike on every rank (the global length)."""
+        if not self.active or site.others or not self.pads_first:
+            return {}
+        empty = min(shard_sizes(site.length, site.mesh.size(site.axis))) == 0
+        if empty and any(s.pad != "zeros" for s in self.pads_first.values()):
+            return {}
+        return dict(self.pads_first)
+
+
+def _padded_window(site: _Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse,
+                   pads: dict[int, HaloShard]) -> torch.Tensor:
+    """The chunk padded along `pads`' dims (each slice alone, as the single-device `F.pad`
+    pads it, so the halo slices arrive padded alike), then exchanged along dim: this
+    rank's window. The padded chunk is not kept: it is freed once the window is built."""
+    x = site.local
+    widths = [0] * (2 * x.ndim - 4)
+    for d, spec in pads.items():
+        k = 2 * (x.ndim - 1 - d)
+        widths[k : k + 2] = [spec.left, spec.right]
+    mode = next(iter(pads.values())).pad
+    x = F.pad(x, widths, mode="constant" if mode == "zeros" else mode)
+    # Its own agreement: the padded chunk's sizes differ from the unpadded chunk's.
+    reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], x.requires_grad))
+    return _window(replace(site, local=x), plan, annotation, reuse)
 
 
 def _one_conv(module: nn.Module, dim: int) -> nn.Conv1d:
@@ -819,6 +875,7 @@ class CausalConvParallel(ParallelStyle):
         forward.strip = HaloShard(self.dim, left=left, right=right, pad=self.pad)
         forward.own_pads = {d: HaloShard(d, left=lr[0], right=lr[1], pad=self.pad)
                             for d, lr in self.pads.items() if d != self.dim}
+        forward.pads_first = dict(forward.own_pads)
         module.forward = forward  # the handle restores base.previous, not this object
         return module
 

@@ -1060,7 +1060,15 @@ def _causal_conv(module: nn.Module) -> ParallelStyle:
     if mode not in _PAD:
         raise HaloError(f"a causal conv with pad_mode {mode!r} is not supported; expected "
                         f"one of {sorted(_PAD)}")
-    return CausalConvParallel(pad=_PAD[mode])  # type: ignore[arg-type]
+    return CausalConvParallel(pad=_PAD[mode], pads=_own_hw(module))  # type: ignore[arg-type]
+
+
+def _own_hw(module: nn.Module) -> dict[int, tuple[int, int]]:
+    """The H and W widths of the wrapper's own `F.pad` (`time_causal_padding`, W first:
+    HunyuanVideo's and CogVideoX's replicate causal conv): named, so that the chunk is
+    padded before the T exchange and the wrapper's `F.pad` copies nothing."""
+    w_left, w_right, h_left, h_right = module.time_causal_padding[:4]
+    return {3: (h_left, h_right), 4: (w_left, w_right)}
 
 
 def _runs_children(module: nn.Module) -> None:
@@ -1100,7 +1108,7 @@ def _cog_causal_conv(module: nn.Module) -> ParallelStyle:
     `(output, conv_cache)`, whose cache comes back as None under a halo."""
     k, stride = module.time_kernel_size, module.conv.stride[0]
     if module.pad_mode == "replicate":  # F.pad then the conv: any stride (Mochi's down)
-        return CausalConvParallel(pad="replicate")
+        return CausalConvParallel(pad="replicate", pads=_own_hw(module))
     if stride != 1 or module.conv.dilation[0] != 1:
         raise HaloError(f"a CogVideoXCausalConv3d with stride {stride} and dilation "
                         f"{module.conv.dilation[0]} along T is not planned; expected 1 and 1")

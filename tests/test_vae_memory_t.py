@@ -1,0 +1,196 @@
+"""Issue #25 item 2: per-rank activation memory of HunyuanVideo's and Mochi's layers on T.
+
+Each fix has a memory test on simulated ranks (`simulated_mesh`, `LocalTensorMode`: every op
+runs for all ranks at once, so the bytes live at any moment are the sum over ranks of what
+each rank holds then) against one device's run of the same layer, with the allocator-tracked
+counter `benchmarks.vae` uses (torch's profiler allocation records on CPU), and an exactness
+test against one device, forward and backward.
+
+Memory bounds: a layer that holds what one device holds, split over P ranks, holds its
+share plus the halo slices; the bounds below say how many chunk-sized buffers that allows,
+and what the reverted code held (one more).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+from haloshard import CausalConvParallel, HaloError
+from haloshard.testing import (
+    assert_close_per_rank,
+    rank_map,
+    seeded_randn,
+    shard,
+    sharded,
+    simulated_mesh,
+    single_device,
+)
+
+pytest.importorskip("diffusers")
+
+
+# ---------------------------------------------------------------- a small memory counter
+def live_bytes(fn: Callable[[], Any], op: str = "aten::convolution") -> tuple[int, Any]:
+    """Bytes allocated during `fn()` and still live when the first `op` starts (the
+    running sum of the profiler's allocation and free records before it): the buffers
+    that op reads, whatever its kernel then allocates. And `fn`'s result."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    pending, sizes, starts = list(prof.profiler.kineto_results.experimental_event_tree()), [], []
+    while pending:
+        node = pending.pop()
+        pending.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
+        elif node.name == op:
+            starts.append(node.start_time_ns)
+    assert starts, f"no {op} ran"
+    return sum(size for t, size in sizes if t < min(starts)), out
+
+
+def _plan_style(part: nn.Module, cls: str) -> Any:
+    """The style `plan_for` gives the first module of class `cls` in `part`."""
+    from haloshard.integrations.diffusers import plan_for
+
+    plan = plan_for(part)
+    fqn = next(n for n, m in part.named_modules() if type(m).__name__ == cls and n in plan)
+    return plan[fqn]
+
+
+def hunyuan_conv(cin: int, cout: int) -> tuple[nn.Module, Any]:
+    """HunyuanVideo's causal conv (k 3, replicate `F.pad` of T, H, W) and its plan's style."""
+    from diffusers import AutoencoderKLHunyuanVideo
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import (
+        HunyuanVideoCausalConv3d,
+    )
+
+    with single_device():
+        vae = AutoencoderKLHunyuanVideo(
+            latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+            norm_num_groups=2)
+    style = _plan_style(vae.encoder, "HunyuanVideoCausalConv3d")
+    with single_device():
+        torch.manual_seed(0)
+        return HunyuanVideoCausalConv3d(cin, cout, 3), style
+
+
+def mochi_conv(cin: int, cout: int) -> tuple[nn.Module, Any]:
+    """Mochi's causal conv (CogVideoX's class, replicate mode) and its plan's style."""
+    from diffusers import AutoencoderKLMochi
+    from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXCausalConv3d
+
+    with single_device():  # GroupNorm and attention heads need 32 channels
+        vae = AutoencoderKLMochi(
+            encoder_block_out_channels=(32,) * 4, decoder_block_out_channels=(32,) * 4,
+            latent_channels=4, layers_per_block=(1,) * 5)
+    style = _plan_style(vae.decoder, "CogVideoXCausalConv3d")
+    with single_device():
+        torch.manual_seed(0)
+        return CogVideoXCausalConv3d(cin, cout, 3, pad_mode="replicate"), style
+
+
+CONVS = {"hunyuan": hunyuan_conv, "mochi": mochi_conv}
+
+
+def _first(y: Any) -> torch.Tensor:
+    return y[0] if isinstance(y, tuple) else y
+
+
+# ---------------------------------------------------------------- causal convs
+@pytest.mark.simulated
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_causal_conv_holds_one_window(name: str) -> None:
+    """Inference: when the conv starts, a rank holds one padded window (its chunk and 2
+    halo frames, H and W padded) beside its input chunk, as one device holds its padded
+    input: on 2 ranks of 32 frames each rank holds 18 of one device's 34 padded frames
+    (1.06 of it over both ranks; the bound 1.25 leaves room for small buffers), where the
+    reverted style held the exchanged window and the wrapper's padded copy of it (2.1)."""
+    module, style = CONVS[name](16, 16)
+    full = seeded_randn((1, 16, 32, 16, 16), 1, torch.float32)
+    with single_device(), torch.no_grad():
+        one, y_ref = live_bytes(lambda: _first(module(full)))
+    with simulated_mesh(2) as mesh:
+        parallelize_module(module, mesh, style)
+        x = DTensor.from_local(rank_map(mesh, lambda r: shard(full, 2, 2, r)), mesh,
+                               [Shard(2)], shape=full.shape, stride=full.stride())
+        with torch.no_grad():
+            ranks, y = live_bytes(lambda: _first(module(x)))
+        # the same products summed in another layout: float32 rounding of O(1) sums
+        assert_close_per_rank(y.to_local(), lambda r: shard(y_ref, 2, 2, r), mesh,
+                              atol=1e-5, rtol=1e-5)
+    assert one == 16 * 34 * 18 * 18 * 4, one  # one device: its padded input alone
+    assert ranks <= 1.25 * one, ranks / one
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("name", "frames", "world"), [
+    ("hunyuan", 9, 2),  # 5, 4
+    ("hunyuan", 7, 3),  # 3, 2, 2
+    ("mochi", 9, 2),
+    ("mochi", 3, 4),  # 1, 1, 1, 0: an empty chunk keeps the wrapper's own padding
+])
+def test_causal_conv_exact(name: str, frames: int, world: int) -> None:
+    """Forward, input gradient and parameter gradients against one device, float64: the
+    same products summed in another order (parameter gradients over ranks), a few ulps of
+    O(1) values; a misplaced frame or pixel is O(1)."""
+    module, style = CONVS[name](3, 4)
+    module = module.double()
+    twin = copy.deepcopy(module)
+    full = seeded_randn((1, 3, frames, 5, 6), 1)
+    with single_device():
+        x_ref = full.clone().requires_grad_()
+        y_ref = _first(twin(x_ref))
+        gy = seeded_randn(tuple(y_ref.shape), 2)
+        (y_ref * gy).sum().backward()
+    with simulated_mesh(world) as mesh:
+        parallelize_module(module, mesh, style)
+        x, local = sharded(mesh, full)
+        y = _first(module(x))
+        tol = {"atol": 1e-12, "rtol": 1e-10}
+        assert_close_per_rank(y.to_local(), lambda r: shard(y_ref.detach(), 2, world, r),
+                              mesh, **tol)
+        (y.to_local() * rank_map(mesh, lambda r: shard(gy, 2, world, r))).sum().backward()
+        assert_close_per_rank(local.grad, lambda r: shard(x_ref.grad, 2, world, r), mesh,
+                              **tol)
+        from haloshard import reduce_grads
+
+        reduce_grads(module, mesh)
+        for p, q in zip(module.parameters(), twin.parameters(), strict=True):
+            assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **tol)
+
+
+class _PadsHW(nn.Module):
+    """A causal wrapper that pads T, H and W itself (replicate), then a conv."""
+
+    def __init__(self, hw: tuple[int, int, int, int]) -> None:
+        super().__init__()
+        self.hw = hw
+        self.conv = nn.Conv3d(2, 2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, (*self.hw, 2, 0), mode="replicate"))
+
+
+@pytest.mark.simulated
+def test_pads_named_wrongly_raise() -> None:
+    """`pads` names the wrapper's own widths of H and W: a wrapper that pads otherwise
+    raises `HaloError` (the halo would hold the wrong padding), on every rank alike."""
+    with single_device():
+        module = _PadsHW((1, 1, 2, 2)).double()
+    with simulated_mesh(2) as mesh:
+        parallelize_module(module, mesh, CausalConvParallel(pads={3: (1, 1), 4: (1, 1)}))
+        x, _ = sharded(mesh, seeded_randn((1, 2, 6, 5, 5), 1))
+        with pytest.raises(HaloError, match=r"pads dim 3 by \(2, 2\)"):
+            module(x)
