@@ -699,27 +699,33 @@ class _MochiBlockForward(ShardedForward):
 def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     """`MochiVaeAttnProcessor2_0`: causal attention along T of each pixel's tokens
     `(B*H*W, T, C)`, on this rank's frames; K/V gathered along T. H (or W) may be
-    sharded too, on another mesh axis: each pixel's sequence is along T alone."""
+    sharded too, on another mesh axis: each pixel's sequence is along T alone.
+
+    Each step drops what later steps do not read (the normalised input once its tokens
+    exist, the tokens once q, k, v do, q, k, v once attended): in inference a rank then
+    holds about as many chunk-sized buffers as one device holds whole ones."""
     site = _dtensor_site(h, dim, several=True)
-    x, group, n = site.local, (site.mesh, site.axis), site.local.shape[dim]
-    kept = {d: x.shape[d] for _, d in site.others}
-    padded = enabled_local_tensor_mode() is not None
-    if padded:  # as in _causal_attention: equal shapes across simulated ranks
-        longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
-        x = F.pad(x, (0, 0, 0, 0, 0, lack(n, longest)))
-        for a, d in site.others:
-            x = _pad_end(x, d, shard_sizes(h.shape[d], site.mesh.size(a))[0])
-    tokens = x.permute(0, 3, 4, 2, 1).contiguous()  # (B, H, W, T_r, C)
+    shape, mesh, placements = h.shape, site.mesh, site.placements
+    n, padded = site.local.shape[dim], enabled_local_tensor_mode() is not None
+    kept = {d: site.local.shape[d] for _, d in site.others}
+    reuse, length, group = _reuse(attn, site), site.length, (site.mesh, site.axis)
+    tokens = _pixel_tokens(site, dim, h.shape, padded)  # (B, H, W, T_r, C)
+    del h, site  # the caller's norm output: freed here unless autograd keeps it
 
     def heads(lin: nn.Module, norm: nn.Module | None) -> torch.Tensor:
         t = lin(tokens)
+        # heads before frames in memory: frame_attention's query rows need no copy
         t = t.unflatten(-1, (attn.heads, t.shape[-1] // attn.heads)).transpose(-3, -2)
+        t = t.contiguous()
         return (norm(t) if norm is not None else t).unsqueeze(-2)  # (B, H, W, h, T_r, 1, E)
 
     q, k, v = heads(attn.to_q, attn.norm_q), heads(attn.to_k, attn.norm_k), \
         heads(attn.to_v, None)
-    o = frame_attention(q, k, v, group, global_length=site.length, causal=True,
-                        frames=n if padded else None, _reuse=_reuse(attn, site))
+    if not attn.residual_connection:
+        del tokens
+    o = frame_attention(q, k, v, group, global_length=length, causal=True,
+                        frames=n if padded else None, _reuse=reuse)
+    del q, k, v
     o = o.squeeze(-2).transpose(-3, -2).flatten(-2).contiguous()  # (B, H, W, T_r, C)
     o = attn.to_out[1](attn.to_out[0](o))
     if attn.residual_connection:
@@ -729,9 +735,21 @@ def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
         o = o.narrow(dim, 0, n)
         for d, rows in kept.items():
             o = o.narrow(d, 0, rows)
-    stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
-    return DTensor.from_local(o.contiguous(), site.mesh, site.placements, run_check=False,
-                              shape=h.shape, stride=stride)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(o.contiguous(), mesh, placements, run_check=False,
+                              shape=shape, stride=stride)
+
+
+def _pixel_tokens(site: _Site, dim: int, shape: torch.Size, padded: bool) -> torch.Tensor:
+    """This rank's chunk as `(B, H, W, T_r, C)` tokens; under simulated ranks padded at
+    the end of T (and of the other sharded dims) to equal shapes, as `_causal_attention`."""
+    x = site.local
+    if padded:
+        longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
+        x = F.pad(x, (0, 0, 0, 0, 0, lack(x.shape[dim], longest)))
+        for a, d in site.others:
+            x = _pad_end(x, d, shard_sizes(shape[d], site.mesh.size(a))[0])
+    return x.permute(0, 3, 4, 2, 1).contiguous()
 
 
 def _pad_end(x: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
