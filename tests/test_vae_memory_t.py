@@ -306,3 +306,44 @@ def test_pixel_attention_drops_what_it_has_read() -> None:
                               atol=1e-5, rtol=1e-5)
     chunks = peak / (full.numel() * full.element_size())
     assert chunks <= 11.5, chunks
+
+
+def _conv_input_layout() -> dict[str, Any]:
+    """On this gloo rank: whether Mochi's causal conv gets its window channels-last from
+    a channels-last `Shard(2)` chunk (Mochi's encoder runs channels-last after its
+    `proj_in`), the input gradient's difference to one device's, and the output's."""
+    from haloshard.testing import worker_mesh
+
+    mesh = worker_mesh(dist_world())
+    rank, world = mesh.get_local_rank(), mesh.size()
+    module, style = mochi_conv(8, 8)
+    twin = copy.deepcopy(module)
+    seen: list[bool] = []
+    module.conv.register_forward_pre_hook(lambda m, a: seen.append(
+        a[0].is_contiguous(memory_format=torch.channels_last_3d)))
+    parallelize_module(module, mesh, style)
+    full = seeded_randn((1, 8, 9, 6, 6), 1, torch.float32).to(
+        memory_format=torch.channels_last_3d)
+    x_ref = full.clone().requires_grad_()
+    y_ref = twin(x_ref)[0]
+    y_ref.sum().backward()
+    local = shard(full, 2, world, rank).contiguous(
+        memory_format=torch.channels_last_3d).requires_grad_()
+    y = module(DTensor.from_local(local, mesh, [Shard(2)], shape=full.shape,
+                                  stride=full.stride()))[0].to_local()
+    y.sum().backward()
+    return {"channels_last": seen,
+            "diff": float((y - shard(y_ref, 2, world, rank)).abs().max()),
+            "grad": float((local.grad - shard(x_ref.grad, 2, world, rank)).abs().max())}
+
+
+@pytest.mark.gloo
+def test_causal_conv_keeps_channels_last(gloo3: Any) -> None:
+    """A channels-last chunk (a DTensor's local chunk of batch 1, whose size-1 batch dim
+    carries another stride) gives a channels-last window, as one device's padded input
+    is: a contiguous one would make the conv reorder it into another chunk-sized buffer.
+    Exact against one device, forward and input gradient (float32: a few ulps of sums of
+    27 * 8 products of O(1) values)."""
+    for rank, row in enumerate(gloo3.run(_conv_input_layout)):
+        assert row["channels_last"] == [True], (rank, row)
+        assert row["diff"] <= 1e-5 and row["grad"] <= 1e-5, (rank, row)

@@ -52,7 +52,7 @@ from haloshard._compat import (
     tree_unflatten,
 )
 from haloshard._errors import HaloError
-from haloshard._exchange import Reuse
+from haloshard._exchange import Reuse, memory_format
 from haloshard._forward import (
     ENCLOSING,
     ShardedForward,
@@ -773,6 +773,18 @@ class _StripPadForward(_HaloForward):
         return dict(self.pads_first)
 
 
+def _canonical(x: torch.Tensor) -> torch.Tensor:
+    """`x` viewed with its memory format's own strides. A DTensor's local chunk of batch 1
+    can carry another stride on that size-1 dim; `F.pad` then takes a channels-last chunk
+    for a contiguous one and pads it into a contiguous copy, which the conv reorders
+    again (one more chunk-sized buffer)."""
+    fmt = memory_format(x)
+    if fmt == torch.contiguous_format or not _comm.is_eager(x):
+        return x
+    strides = torch.empty(x.shape, device="meta").contiguous(memory_format=fmt).stride()
+    return x if x.stride() == strides else x.as_strided(x.shape, strides, x.storage_offset())
+
+
 def _padded_window(site: _Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse,
                    pads: dict[int, HaloShard]) -> torch.Tensor:
     """The chunk padded along `pads`' dims (each slice alone, as the single-device `F.pad`
@@ -784,7 +796,7 @@ def _padded_window(site: _Site, plan: WindowPlan, annotation: Annotation, reuse:
         k = 2 * (x.ndim - 1 - d)
         widths[k : k + 2] = [spec.left, spec.right]
     mode = next(iter(pads.values())).pad
-    x = F.pad(x, widths, mode="constant" if mode == "zeros" else mode)
+    x = F.pad(_canonical(x), widths, mode="constant" if mode == "zeros" else mode)
     # Its own agreement: the padded chunk's sizes differ from the unpadded chunk's.
     reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], x.requires_grad))
     return _window(replace(site, local=x), plan, annotation, reuse)
