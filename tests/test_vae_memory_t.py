@@ -347,3 +347,89 @@ def test_causal_conv_keeps_channels_last(gloo3: Any) -> None:
     for rank, row in enumerate(gloo3.run(_conv_input_layout)):
         assert row["channels_last"] == [True], (rank, row)
         assert row["diff"] <= 1e-5 and row["grad"] <= 1e-5, (rank, row)
+
+
+# ---------------------------------------------------------------- HunyuanVideo's upsampler
+def hunyuan_upsampler(channels: int) -> tuple[nn.Module, Any]:
+    """HunyuanVideo's upsampler (nearest x2 on T, H, W, then its causal conv) and the
+    style its decoder's plan gives it."""
+    from diffusers import AutoencoderKLHunyuanVideo
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import (
+        HunyuanVideoUpsampleCausal3D,
+    )
+
+    with single_device():
+        vae = AutoencoderKLHunyuanVideo(
+            latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+            norm_num_groups=2)
+        torch.manual_seed(0)
+        module = HunyuanVideoUpsampleCausal3D(channels, upsample_factor=(2, 2, 2))
+    return module, _plan_style(vae.decoder, "HunyuanVideoUpsampleCausal3D")
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("frames", "world"), [(8, 2), (9, 2), (7, 3), (2, 2), (3, 4)])
+def test_upsampler_exact(frames: int, world: int) -> None:
+    """Forward, input gradient and parameter gradients against one device, float64 (a
+    few ulps: the repeated frames' gradients summed in another order); 8 frames on 2
+    ranks -> 15 as 8, 7; 2 frames -> 3 as 2, 1; 3 frames on 4 ranks -> 5 as 2, 1, 1, 1
+    (a rank with no input frame); T = 1 -> 1 output frame is tested by the plans."""
+    module, style = hunyuan_upsampler(3)
+    module = module.double()
+    twin = copy.deepcopy(module)
+    full = seeded_randn((1, 3, frames, 3, 4), 1)
+    with single_device():
+        x_ref = full.clone().requires_grad_()
+        y_ref = twin(x_ref)
+        gy = seeded_randn(tuple(y_ref.shape), 2)
+        (y_ref * gy).sum().backward()
+    with simulated_mesh(world) as mesh:
+        parallelize_module(module, mesh, style)
+        x, local = sharded(mesh, full)
+        y = module(x)
+        assert y.shape == y_ref.shape
+        tol = {"atol": 1e-12, "rtol": 1e-10}
+        assert_close_per_rank(y.to_local(), lambda r: shard(y_ref.detach(), 2, world, r),
+                              mesh, **tol)
+        (y.to_local() * rank_map(mesh, lambda r: shard(gy, 2, world, r))).sum().backward()
+        assert_close_per_rank(local.grad, lambda r: shard(x_ref.grad, 2, world, r), mesh,
+                              **tol)
+        from haloshard import reduce_grads
+
+        reduce_grads(module, mesh)
+        for p, q in zip(module.parameters(), twin.parameters(), strict=True):
+            assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **tol)
+
+
+def _upsampler_bytes() -> dict[str, Any]:
+    """On this gloo rank: the bytes the upsampler holds when its conv starts (beyond its
+    input), here and on one device (the whole clip), and the output's difference."""
+    from haloshard.testing import worker_mesh
+
+    mesh = worker_mesh(dist_world())
+    rank, world = mesh.get_local_rank(), mesh.size()
+    module, style = hunyuan_upsampler(8)
+    twin = copy.deepcopy(module)
+    parallelize_module(module, mesh, style)
+    full = seeded_randn((1, 8, 12, 8, 8), 1, torch.float32)
+    x = DTensor.from_local(shard(full, 2, world, rank).clone(), mesh, [Shard(2)],
+                           shape=full.shape, stride=full.stride())
+    with torch.no_grad():
+        one, y_ref = live_bytes(lambda: twin(full))
+        module(x)  # agrees the site
+        mine, y = live_bytes(lambda: module(x).to_local())
+    return {"one": one, "mine": mine,
+            "diff": float((y - shard(y_ref, 2, world, rank)).abs().max())}
+
+
+@pytest.mark.gloo
+def test_upsampler_holds_its_frames_only(gloo3: Any) -> None:
+    """Inference on 3 gloo ranks, 12 frames -> 23 (8, 8, 7 per rank): when the conv
+    starts, one device holds the repeated frames, their concatenation and its padded copy
+    (70 up-frames); a rank holds its own up-frames and 2 of history, padded, in one
+    buffer (measured: 0.15-0.16 of one device), where the window path held the three
+    buffers for its window's 1 + 2 * 8 up-frames (0.43 on the first rank). Exact (pure copies
+    before one conv: float32 equal up to the conv's own rounding)."""
+    for rank, row in enumerate(gloo3.run(_upsampler_bytes)):
+        assert row["diff"] <= 1e-5, (rank, row)
+        assert row["mine"] <= 0.25 * row["one"], (rank, row["mine"] / row["one"])

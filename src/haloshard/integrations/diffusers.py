@@ -66,7 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from haloshard import _segments
+from haloshard import _comm, _segments
 from haloshard._attention import gather_many
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
@@ -78,8 +78,14 @@ from haloshard._forward import (
 from haloshard._hooks import (
     Annotation,
     _dtensor_site,
+    _HaloForward,
+    _pick,
     _Site,
+    _site,
+    _window,
     attach,
+    has_spare,
+    rewrap,
 )
 from haloshard._layer_styles import (
     CausalConvParallel,
@@ -91,7 +97,7 @@ from haloshard._layer_styles import (
 from haloshard._layout import HaloShard, PadMode, lack, shard_size_and_offset, shard_sizes
 from haloshard._masked_attention import frame_attention
 from haloshard._norms import group_norm
-from haloshard._specs import ConvStencil
+from haloshard._specs import ConvStencil, plan_windows
 from haloshard._styles import HaloParallel
 from haloshard.integrations._cogvideox import cogvideox_decode, cogvideox_encode
 from haloshard.integrations._ltx import LTXDownsamplerParallel, SpaceToDepthStencil
@@ -281,8 +287,93 @@ class HunyuanUpsampleParallel(ParallelStyle):
                             f"{wrapper.time_causal_padding}, pad_mode {wrapper.pad_mode!r}")
         attach(module, Annotation(None, self.dim, UpCausalStencil(int(factor), span)),
                device_mesh)
+        if _direct_upsample(module):
+            base = module.forward
+            assert isinstance(base, _HaloForward)
+            module.forward = _UpsampleForward(module, base.annotation, base.mesh, base.saved,
+                                              base.previous, overlap=False, name=base.name)
         _also_rows(module, _hunyuan_rows)
         return module
+
+
+def _direct_upsample(module: nn.Module) -> bool:
+    """Whether `_UpsampleForward` may compute the upsampler from its attributes: nearest
+    factors that are powers of two (their `1 / f` is exact, so interpolate's source index
+    is `i // f`), a replicate `F.pad` of H and W, and torch's own Conv3d with no padding."""
+    conv, pads = module.conv.conv, module.conv.time_causal_padding
+    factors = tuple(module.upsample_factor)
+    return (len(factors) == 3 and all(f == int(f) and f >= 1 and int(f) & (int(f) - 1) == 0
+                                      for f in factors)
+            and type(conv) is nn.Conv3d and tuple(conv.padding) == (0, 0, 0)
+            and conv.padding_mode == "zeros" and conv.stride[0] == 1
+            and conv.dilation[0] == 1 and pads[0] == pads[1] and pads[2] == pads[3])
+
+
+class _UpsampleForward(_HaloForward):
+    """`HunyuanVideoUpsampleCausal3D` on `Shard(T)` without running its forward on a
+    window: the up-frames this rank's outputs read (its `span - 1` frames of history
+    included, replicate-padded on H and W) are gathered from the exchanged input window in
+    one index, then its conv runs on them with no padding. The module's own forward on a
+    window builds the repeated frames, their concatenation and a padded copy, each for up
+    to `span + factor - 1` more frames than this rank outputs, then drops those outputs.
+    With H sharded as well, or a rank without outputs, the window path runs."""
+
+    def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        site = _site(x, self.annotation.dim, self.mesh, several=True)
+        world = site.mesh.size(site.axis)
+        stencil = self.annotation.stencil
+        assert isinstance(stencil, UpCausalStencil)
+        out_length = stencil.out_length(site.length)
+        if (site.others or args or kwargs or has_spare(site.spare)
+                or min(shard_sizes(out_length, world)) == 0):
+            return super().sharded(x, *args, **kwargs)
+        uniform = enabled_local_tensor_mode() is not None
+        plan = plan_windows(stencil, site.length, world, uniform=uniform)
+        window = _window(site, plan, self.annotation, self.reuse(site))
+        rank, m = site.mesh.get_local_rank(site.axis), self.module
+        (_, _, h, w), wrapper = window.shape[1:], m.conv
+        pads = wrapper.time_causal_padding
+        frames = _up_frames(rank, site.length, world, stencil, uniform, window.device)
+        rows = _up_rows(h, int(m.upsample_factor[1]), pads[2], window.device)
+        cols = _up_rows(w, int(m.upsample_factor[2]), pads[0], window.device)
+        up = _gathered(window, frames, rows, cols)
+        del window
+        y = wrapper.conv(up)
+        if uniform:  # every simulated rank ran the longest chunk's frames: keep its own
+            y = y.narrow(self.annotation.dim, 0, _pick(rank, plan.out_len)[0])
+        return rewrap(y, site, self.annotation.dim, out_length)
+
+
+@maybe_run_for_local_tensor
+def _up_frames(rank: int, length: int, world: int, stencil: UpCausalStencil, uniform: bool,
+               device: torch.device) -> torch.Tensor:
+    """Window indices of the input frames behind the up-frames `[s - span + 1, s + n)`
+    (this rank's n outputs from global up-frame s and their history): up-frame 0 and the
+    replicate padding before it repeat frame 0, up-frame u > 0 is frame `(u - 1) // f + 1`.
+    `uniform`: as many as the longest chunk's, the last one repeated (simulated ranks)."""
+    out_length = stencil.out_length(length)
+    n, s = shard_size_and_offset(out_length, world, rank)
+    i0 = stencil.window(s, s + n)[0]
+    longest = shard_sizes(out_length, world)[0] if uniform else n
+    u = torch.arange(s - stencil.span + 1, s + longest, device=device).clamp(max=s + n - 1)
+    return torch.where(u > 0, torch.div(u - 1, stencil.factor, rounding_mode="floor") + 1,
+                       0) - i0
+
+
+def _gathered(window: torch.Tensor, frames: torch.Tensor, rows: torch.Tensor,
+              cols: torch.Tensor) -> torch.Tensor:
+    """`window[:, :, frames][:, :, :, rows][..., cols]`: eager, in one index (one buffer);
+    simulated ranks (per-rank frame counts) one dim at a time."""
+    if _comm.is_eager(window):
+        return window[:, :, frames[:, None, None], rows[None, :, None], cols[None, None, :]]
+    return window.index_select(2, frames).index_select(3, rows).index_select(4, cols)
+
+
+def _up_rows(size: int, factor: int, pad: int, device: torch.device) -> torch.Tensor:
+    """Source rows of `size` rows upsampled by `factor` (nearest), then replicate-padded
+    by `pad` on each side."""
+    up = torch.arange(-pad, size * factor + pad, device=device).clamp(0, size * factor - 1)
+    return torch.div(up, factor, rounding_mode="floor")
 
 
 def _also_rows(module: nn.Module, rows: Callable[[nn.Module], Any]) -> None:
