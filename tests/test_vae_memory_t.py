@@ -433,3 +433,25 @@ def test_upsampler_holds_its_frames_only(gloo3: Any) -> None:
     for rank, row in enumerate(gloo3.run(_upsampler_bytes)):
         assert row["diff"] <= 1e-5, (rank, row)
         assert row["mine"] <= 0.25 * row["one"], (rank, row["mine"] / row["one"])
+
+
+@pytest.mark.simulated
+def test_pads_of_a_dim_the_wrapper_does_not_pad_raise() -> None:
+    """A dim named in `pads` that the wrapper's forward does not pad would be padded
+    anyway (before the exchange) and widen the output: `HaloError` names it."""
+
+    class PadsT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv3d(2, 2, (3, 1, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(F.pad(x, (0, 0, 0, 0, 2, 0), mode="replicate"))
+
+    with single_device():
+        module = PadsT().double()
+    with simulated_mesh(2) as mesh:
+        parallelize_module(module, mesh, CausalConvParallel(pads={4: (1, 1)}))
+        x, _ = sharded(mesh, seeded_randn((1, 2, 6, 5, 5), 1))
+        with pytest.raises(HaloError, match=r"does not F.pad dim 4"):
+            module(x)

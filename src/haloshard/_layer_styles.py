@@ -744,10 +744,18 @@ class _StripPadForward(_HaloForward):
             return super().original(*args, **kwargs)
         # args[0] is the window the halo forward hands the module
         with ExitStack() as stack:
-            for d, spec in self.padded.items():
-                stack.enter_context(_NoPadAlong(d, spec, args[0]))
+            dropped = [stack.enter_context(_DroppedPad(d, spec, args[0]))
+                       for d, spec in self.padded.items()]
             stack.enter_context(_NoPadAlong(self.annotation.dim, self.strip, args[0]))
-            return super().original(*args, **kwargs)
+            y = super().original(*args, **kwargs)
+        for mode in dropped:
+            if not mode.seen:  # the chunk was padded along a dim the wrapper does not pad
+                raise HaloError(f"CausalConvParallel was given pads {{{mode.dim}: "
+                                f"{(mode.spec.left, mode.spec.right)}}} but "
+                                f"{type(self.module).__name__} does not F.pad dim "
+                                f"{mode.dim} itself; expected pads only for the dims its "
+                                "forward pads")
+        return y
 
     def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
                        **kwargs: Any) -> Any:
@@ -771,6 +779,19 @@ class _StripPadForward(_HaloForward):
         if empty and any(s.pad != "zeros" for s in self.pads_first.values()):
             return {}
         return dict(self.pads_first)
+
+
+class _DroppedPad(_NoPadAlong):
+    """`_NoPadAlong` that records whether the wrapper padded its dim at all."""
+
+    seen = False
+
+    def _strip(self, args: list[Any], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...],
+                                                                        dict[str, Any]]:
+        widths = list(args[1] if len(args) > 1 else kwargs.get("pad", ()))
+        k = 2 * (args[0].ndim - 1 - self.dim)
+        self.seen = self.seen or any(widths[k : k + 2])
+        return super()._strip(args, kwargs)
 
 
 def _canonical(x: torch.Tensor) -> torch.Tensor:
