@@ -859,7 +859,11 @@ class CausalConvParallel(ParallelStyle):
     W, replicate) names those widths in `pads`: when such a dim is sharded as well (T and H
     on a `(t, h)` mesh) its halo holds that padding, as along dim. `pads` may also give
     dim's own widths: `CausalConvParallel(dim=3, pads={3: (1, 1)})` is such a wrapper with H
-    sharded (its centred `F.pad` of H dropped, the conv's stride along H kept).
+    sharded (its centred `F.pad` of H dropped, the conv's stride along H kept). Naming
+    the widths of a dim that is not sharded saves memory: the chunk is padded along it
+    before the exchange, so the window holds all of the wrapper's padding and the
+    wrapper's `F.pad` copies nothing (one window per rank, not the window and its padded
+    copy); the diffusers plans name HunyuanVideo's and Mochi's H and W widths.
 
     Args:
         pad: the wrapper's padding mode: "replicate" (video VAEs) or "zeros".
@@ -870,7 +874,8 @@ class CausalConvParallel(ParallelStyle):
     Raises:
         HaloError: in `_apply`, for a module that does not hold exactly one conv (and no
             other module) with no padding of its own along dim or a dim in `pads`, or
-            widths that are not two ints >= 0; at run time, when the wrapper pads otherwise.
+            widths that are not two ints >= 0; at run time, when the wrapper pads otherwise
+            (or does not pad a dim named in `pads`).
 
     Example::
         >>> causal = CausalConv3d(8, k=3)  # F.pad (2, 0) replicate, then conv
