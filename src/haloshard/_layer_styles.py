@@ -778,7 +778,7 @@ class _StripPadForward(_HaloForward):
         empty = min(shard_sizes(site.length, site.mesh.size(site.axis))) == 0
         if empty and any(s.pad != "zeros" for s in self.pads_first.values()):
             return {}
-        return dict(self.pads_first)
+        return {d: s for d, s in self.pads_first.items() if s.left or s.right}
 
 
 class _DroppedPad(_NoPadAlong):

@@ -1177,7 +1177,8 @@ def _own_hw(module: nn.Module) -> dict[int, tuple[int, int]]:
     HunyuanVideo's and CogVideoX's replicate causal conv): named, so that the chunk is
     padded before the T exchange and the wrapper's `F.pad` copies nothing."""
     w_left, w_right, h_left, h_right = module.time_causal_padding[:4]
-    return {3: (h_left, h_right), 4: (w_left, w_right)}
+    pads = {3: (h_left, h_right), 4: (w_left, w_right)}
+    return {d: lr for d, lr in pads.items() if any(lr)}  # a 1-wide kernel pads nothing
 
 
 def _runs_children(module: nn.Module) -> None:
