@@ -787,14 +787,20 @@ class _MochiBlockForward(ShardedForward):
         return h, cache
 
 
+# Inference: Mochi's attention along T runs on this many slices of the columns (W, never
+# sharded) in turn, each pixel's sequence whole: its q, k, v, K/V blocks and softmax state
+# are then a fraction of the chunk, far below the convs' buffers.
+_PIXEL_PARTS = 4
+
+
 def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     """`MochiVaeAttnProcessor2_0`: causal attention along T of each pixel's tokens
     `(B*H*W, T, C)`, on this rank's frames; K/V gathered along T. H (or W) may be
     sharded too, on another mesh axis: each pixel's sequence is along T alone.
 
-    Each step drops what later steps do not read (the normalised input once its tokens
-    exist, the tokens once q, k, v do, q, k, v once attended): in inference a rank then
-    holds about as many chunk-sized buffers as one device holds whole ones."""
+    The normalised input is dropped once its tokens exist. Without grad the pixels are
+    attended in `_PIXEL_PARTS` slices of W in turn (each pixel's own sequence, so the
+    result is the same), so q, k, v and the attention's buffers are a part's."""
     site = _dtensor_site(h, dim, several=True)
     shape, mesh, placements = h.shape, site.mesh, site.placements
     n, padded = site.local.shape[dim], enabled_local_tensor_mode() is not None
@@ -802,7 +808,29 @@ def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     reuse, length, group = _reuse(attn, site), site.length, (site.mesh, site.axis)
     tokens = _pixel_tokens(site, dim, h.shape, padded)  # (B, H, W, T_r, C)
     del h, site  # the caller's norm output: freed here unless autograd keeps it
+    # grad mode is part of the agreed signature: every rank runs as many parts
+    parts = 1 if torch.is_grad_enabled() else min(_PIXEL_PARTS, tokens.shape[2])
+    o = torch.cat([_attend_pixels(attn, part, group, length, n if padded else None,
+                                  (reuse[0], (reuse[1], parts, j)))
+                   for j, part in enumerate(tokens.tensor_split(parts, dim=2))], 2) \
+        if parts > 1 else _attend_pixels(attn, tokens, group, length,
+                                         n if padded else None, reuse)
+    del tokens
+    o = (o / attn.rescale_output_factor).permute(0, 4, 3, 1, 2)
+    if padded:
+        o = o.narrow(dim, 0, n)
+        for d, rows in kept.items():
+            o = o.narrow(d, 0, rows)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(o.contiguous(), mesh, placements, run_check=False,
+                              shape=shape, stride=stride)
 
+
+def _attend_pixels(attn: nn.Module, tokens: torch.Tensor, group: Any, length: int,
+                   frames: Any, reuse: Any) -> torch.Tensor:
+    """The processor's steps on `(B, H, W_j, T_r, C)` tokens: q, k, v (q, k normalised),
+    causal attention along T, the output projection (and residual); q, k, v dropped once
+    attended."""
     def heads(lin: nn.Module, norm: nn.Module | None) -> torch.Tensor:
         t = lin(tokens)
         # heads before frames in memory: frame_attention's query rows need no copy
@@ -812,23 +840,12 @@ def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
 
     q, k, v = heads(attn.to_q, attn.norm_q), heads(attn.to_k, attn.norm_k), \
         heads(attn.to_v, None)
-    if not attn.residual_connection:
-        del tokens
-    o = frame_attention(q, k, v, group, global_length=length, causal=True,
-                        frames=n if padded else None, _reuse=reuse)
+    o = frame_attention(q, k, v, group, global_length=length, causal=True, frames=frames,
+                        _reuse=reuse)
     del q, k, v
-    o = o.squeeze(-2).transpose(-3, -2).flatten(-2).contiguous()  # (B, H, W, T_r, C)
+    o = o.squeeze(-2).transpose(-3, -2).flatten(-2).contiguous()  # (B, H, W_j, T_r, C)
     o = attn.to_out[1](attn.to_out[0](o))
-    if attn.residual_connection:
-        o = o + tokens
-    o = (o / attn.rescale_output_factor).permute(0, 4, 3, 1, 2)
-    if padded:
-        o = o.narrow(dim, 0, n)
-        for d, rows in kept.items():
-            o = o.narrow(d, 0, rows)
-    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    return DTensor.from_local(o.contiguous(), mesh, placements, run_check=False,
-                              shape=shape, stride=stride)
+    return o + tokens if attn.residual_connection else o
 
 
 def _pixel_tokens(site: _Site, dim: int, shape: torch.Size, padded: bool) -> torch.Tensor:
