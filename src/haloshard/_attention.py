@@ -338,18 +338,25 @@ def _blocks(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
     status when not None) in turn; yield them as `blocks_many` does."""
     fronts, moved, names = _fronts(tensors, dim)
     widths = [f.shape[-1] for f in fronts]
-    own = _block_buffer(fronts, max(shard_sizes(global_length, grp.size)) * frame, status)
+    chunk = max(shard_sizes(global_length, grp.size)) * frame
     row = (*fronts[0].shape[1:-1], sum(widths))
+    # Eager ranks pack their own block only when it is due (a block packed up front
+    # would live beside every received one); simulated ranks pass their own to each.
+    own = None if isinstance(grp.rank, int) else _block_buffer(fronts, chunk, status)
     flags = []
     for src in range(grp.size):
-        buf = _comm.broadcast(_source_buffer(own, grp.rank, src), src, grp,
-                              "broadcast of one rank's block along the dim")
+        send = own if own is not None else (
+            _block_buffer(fronts, chunk, status) if src == grp.rank
+            else fronts[0].new_empty(chunk * math.prod(row) + (status is not None)))
+        buf = _comm.broadcast(send, src, grp, "broadcast of one rank's block along the dim")
+        del send
         if status is not None:
-            flags.append(buf[-1:])
+            flags.append(buf[-1:].clone())  # a view would keep every block alive
             buf = buf[:-1]
         block = buf.view(-1, *row)
         yield src, tuple(rearrange(p, f"{moved} -> {' '.join(names)}")
                          for p in block.split(widths, -1))
+        del buf, block  # before the next block is allocated (the consumer dropped its own)
     if status is not None:
         _comm.check_flags(torch.cat(flags), "this attention block tensors that differ from "
                           "those")

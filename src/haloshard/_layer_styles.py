@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -52,7 +53,7 @@ from haloshard._compat import (
 )
 from haloshard._conv import with_spare_slice
 from haloshard._errors import HaloError
-from haloshard._exchange import Reuse
+from haloshard._exchange import Reuse, memory_format
 from haloshard._forward import (
     ENCLOSING,
     ShardedForward,
@@ -71,6 +72,7 @@ from haloshard._hooks import (
     _NoPadAlong,
     _Site,
     _site,
+    _window,
     attach,
     check_same_length,
     has_spare,
@@ -716,23 +718,110 @@ class AttentionParallel(LocalParallel):
 
 # ---------------------------------------------------------------- temporal resampling
 class _StripPadForward(_HaloForward):
-    """The halo forward of a causal wrapper whose own `F.pad` along dim is dropped."""
+    """The halo forward of a causal wrapper whose own `F.pad` along dim is dropped.
+
+    Its `F.pad` of other dims that are not sharded (`pads` of the style) is applied to the
+    chunk before the exchange instead (`padded_first`), and dropped from the wrapper's call:
+    the window then holds the whole padding, so the wrapper's `F.pad` returns it as it is.
+    Otherwise the wrapper would copy the window to pad those dims, and the chunk-sized
+    window and its padded copy would live at once (one device holds the padded input only).
+    """
 
     strip: HaloShard
     active = False
     wraps_one_conv = True  # a second sharded dim takes the halo of its one conv
+    # the wrapper's own F.pad along dims other than dim, as HaloShard(d, left, right, pad)
+    pads_first: dict[int, HaloShard]
+    padded: dict[int, HaloShard]  # those applied to this call's chunk (set per call)
 
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         # Nested in another halo module, the wrapper keeps its padding (pass-through).
         self.active = not _INSIDE.get()
+        self.padded = {}
         return super().__call__(x, *args, **kwargs)
 
     def original(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
             return super().original(*args, **kwargs)
         # args[0] is the window the halo forward hands the module
-        with _NoPadAlong(self.annotation.dim, self.strip, args[0]):
-            return super().original(*args, **kwargs)
+        with ExitStack() as stack:
+            dropped = [stack.enter_context(_DroppedPad(d, spec, args[0]))
+                       for d, spec in self.padded.items()]
+            stack.enter_context(_NoPadAlong(self.annotation.dim, self.strip, args[0]))
+            y = super().original(*args, **kwargs)
+        for mode in dropped:
+            if not mode.seen:  # the chunk was padded along a dim the wrapper does not pad
+                raise HaloError(f"CausalConvParallel was given pads {{{mode.dim}: "
+                                f"{(mode.spec.left, mode.spec.right)}}} but "
+                                f"{type(self.module).__name__} does not F.pad dim "
+                                f"{mode.dim} itself; expected pads only for the dims its "
+                                "forward pads")
+        return y
+
+    def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
+                       **kwargs: Any) -> Any:
+        self.padded = self.padded_first(site)
+        if not self.padded:
+            return super().exchange_first(site, plan, reuse, *args, **kwargs)
+        window = _padded_window(site, plan, self.annotation, reuse, self.padded)
+        token = _INSIDE.set(True)
+        try:
+            return self.original(window, *args, **kwargs)
+        finally:
+            _INSIDE.reset(token)
+
+    def padded_first(self, site: _Site) -> dict[int, HaloShard]:
+        """The wrapper's own pads along dims this call does not shard, where the chunk can
+        take them: replicate (any mode but zeros) cannot pad a chunk with no slice, and
+        whether any rank holds none is known alike on every rank (the global length)."""
+        if not self.active or site.others or not self.pads_first:
+            return {}
+        empty = min(shard_sizes(site.length, site.mesh.size(site.axis))) == 0
+        if empty and any(s.pad != "zeros" for s in self.pads_first.values()):
+            return {}
+        return {d: s for d, s in self.pads_first.items() if s.left or s.right}
+
+
+class _DroppedPad(_NoPadAlong):
+    """`_NoPadAlong` that records whether the wrapper padded its dim at all."""
+
+    seen = False
+
+    def _strip(self, args: list[Any], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...],
+                                                                        dict[str, Any]]:
+        widths = list(args[1] if len(args) > 1 else kwargs.get("pad", ()))
+        k = 2 * (args[0].ndim - 1 - self.dim)
+        self.seen = self.seen or any(widths[k : k + 2])
+        return super()._strip(args, kwargs)
+
+
+def _canonical(x: torch.Tensor) -> torch.Tensor:
+    """`x` viewed with its memory format's own strides. A DTensor's local chunk of batch 1
+    can carry another stride on that size-1 dim; `F.pad` then takes a channels-last chunk
+    for a contiguous one and pads it into a contiguous copy, which the conv reorders
+    again (one more chunk-sized buffer)."""
+    fmt = memory_format(x)
+    if fmt == torch.contiguous_format or not _comm.is_eager(x):
+        return x
+    strides = torch.empty(x.shape, device="meta").contiguous(memory_format=fmt).stride()
+    return x if x.stride() == strides else x.as_strided(x.shape, strides, x.storage_offset())
+
+
+def _padded_window(site: _Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse,
+                   pads: dict[int, HaloShard]) -> torch.Tensor:
+    """The chunk padded along `pads`' dims (each slice alone, as the single-device `F.pad`
+    pads it, so the halo slices arrive padded alike), then exchanged along dim: this
+    rank's window. The padded chunk is not kept: it is freed once the window is built."""
+    x = site.local
+    widths = [0] * (2 * x.ndim - 4)
+    for d, spec in pads.items():
+        k = 2 * (x.ndim - 1 - d)
+        widths[k : k + 2] = [spec.left, spec.right]
+    mode = next(iter(pads.values())).pad
+    x = F.pad(_canonical(x), widths, mode="constant" if mode == "zeros" else mode)
+    # Its own agreement: the padded chunk's sizes differ from the unpadded chunk's.
+    reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], x.requires_grad))
+    return _window(replace(site, local=x), plan, annotation, reuse)
 
 
 def _one_conv(module: nn.Module, dim: int) -> nn.Conv1d:
@@ -771,7 +860,11 @@ class CausalConvParallel(ParallelStyle):
     W, replicate) names those widths in `pads`: when such a dim is sharded as well (T and H
     on a `(t, h)` mesh) its halo holds that padding, as along dim. `pads` may also give
     dim's own widths: `CausalConvParallel(dim=3, pads={3: (1, 1)})` is such a wrapper with H
-    sharded (its centred `F.pad` of H dropped, the conv's stride along H kept).
+    sharded (its centred `F.pad` of H dropped, the conv's stride along H kept). Naming
+    the widths of a dim that is not sharded saves memory: the chunk is padded along it
+    before the exchange, so the window holds all of the wrapper's padding and the
+    wrapper's `F.pad` copies nothing (one window per rank, not the window and its padded
+    copy); the diffusers plans name HunyuanVideo's and Mochi's H and W widths.
 
     Args:
         pad: the wrapper's padding mode: "replicate" (video VAEs) or "zeros".
@@ -782,7 +875,8 @@ class CausalConvParallel(ParallelStyle):
     Raises:
         HaloError: in `_apply`, for a module that does not hold exactly one conv (and no
             other module) with no padding of its own along dim or a dim in `pads`, or
-            widths that are not two ints >= 0; at run time, when the wrapper pads otherwise.
+            widths that are not two ints >= 0; at run time, when the wrapper pads otherwise
+            (or does not pad a dim named in `pads`).
 
     Example::
         >>> causal = CausalConv3d(8, k=3)  # F.pad (2, 0) replicate, then conv
@@ -820,6 +914,7 @@ class CausalConvParallel(ParallelStyle):
         forward.strip = HaloShard(self.dim, left=left, right=right, pad=self.pad)
         forward.own_pads = {d: HaloShard(d, left=lr[0], right=lr[1], pad=self.pad)
                             for d, lr in self.pads.items() if d != self.dim}
+        forward.pads_first = dict(forward.own_pads)
         module.forward = forward  # the handle restores base.previous, not this object
         return module
 

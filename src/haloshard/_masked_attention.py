@@ -171,8 +171,11 @@ def _attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
                          q.device)
         fill = scores.masked_fill if scores.requires_grad else scores.masked_fill_
         state = _merge(state, fill(hidden, float("-inf")), v_b.flatten(-3, -2).to(dtype))
+        # before the next block arrives: one block of K/V alive at a time, not two
+        del k_b, v_b, scores
     _, total, out = state
-    out = (out / total).to(q.dtype)
+    del state
+    out = (out / total if out.requires_grad else out.div_(total)).to(q.dtype)
     return out.unflatten(-2, (per_frame, rows)).transpose(-3, -2)
 
 
@@ -212,5 +215,9 @@ def _merge(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scores: torch
     # in place (one block of scores, not two) unless autograd needs them (q's gradient)
     weights = torch.exp(scores - shift) if scores.requires_grad else scores.sub_(shift).exp_()
     rescale = torch.exp(top - shift)
-    return new_top, total * rescale + weights.sum(-1, keepdim=True), \
-        out * rescale + weights @ values
+    total = total * rescale + weights.sum(-1, keepdim=True)
+    if out.requires_grad or weights.requires_grad:
+        return new_top, total, out * rescale + weights @ values
+    # inference: the output sum updated in place, one block's product beside it (not the
+    # rescaled copy and the sum as well: three output-sized buffers)
+    return new_top, total, out.mul_(rescale).add_(weights @ values)

@@ -66,7 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from haloshard import _segments
+from haloshard import _comm, _segments
 from haloshard._attention import gather_many
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
@@ -78,8 +78,14 @@ from haloshard._forward import (
 from haloshard._hooks import (
     Annotation,
     _dtensor_site,
+    _HaloForward,
+    _pick,
     _Site,
+    _site,
+    _window,
     attach,
+    has_spare,
+    rewrap,
 )
 from haloshard._layer_styles import (
     CausalConvParallel,
@@ -91,7 +97,7 @@ from haloshard._layer_styles import (
 from haloshard._layout import HaloShard, PadMode, lack, shard_size_and_offset, shard_sizes
 from haloshard._masked_attention import frame_attention
 from haloshard._norms import group_norm
-from haloshard._specs import ConvStencil
+from haloshard._specs import ConvStencil, plan_windows
 from haloshard._styles import HaloParallel
 from haloshard.integrations._cogvideox import cogvideox_decode, cogvideox_encode
 from haloshard.integrations._ltx import LTXDownsamplerParallel, SpaceToDepthStencil
@@ -281,8 +287,93 @@ class HunyuanUpsampleParallel(ParallelStyle):
                             f"{wrapper.time_causal_padding}, pad_mode {wrapper.pad_mode!r}")
         attach(module, Annotation(None, self.dim, UpCausalStencil(int(factor), span)),
                device_mesh)
+        if _direct_upsample(module):
+            base = module.forward
+            assert isinstance(base, _HaloForward)
+            module.forward = _UpsampleForward(module, base.annotation, base.mesh, base.saved,
+                                              base.previous, overlap=False, name=base.name)
         _also_rows(module, _hunyuan_rows)
         return module
+
+
+def _direct_upsample(module: nn.Module) -> bool:
+    """Whether `_UpsampleForward` may compute the upsampler from its attributes: nearest
+    factors that are powers of two (their `1 / f` is exact, so interpolate's source index
+    is `i // f`), a replicate `F.pad` of H and W, and torch's own Conv3d with no padding."""
+    conv, pads = module.conv.conv, module.conv.time_causal_padding
+    factors = tuple(module.upsample_factor)
+    return (len(factors) == 3 and all(f == int(f) and f >= 1 and int(f) & (int(f) - 1) == 0
+                                      for f in factors)
+            and type(conv) is nn.Conv3d and tuple(conv.padding) == (0, 0, 0)
+            and conv.padding_mode == "zeros" and conv.stride[0] == 1
+            and conv.dilation[0] == 1 and pads[0] == pads[1] and pads[2] == pads[3])
+
+
+class _UpsampleForward(_HaloForward):
+    """`HunyuanVideoUpsampleCausal3D` on `Shard(T)` without running its forward on a
+    window: the up-frames this rank's outputs read (its `span - 1` frames of history
+    included, replicate-padded on H and W) are gathered from the exchanged input window in
+    one index, then its conv runs on them with no padding. The module's own forward on a
+    window builds the repeated frames, their concatenation and a padded copy, each for up
+    to `span + factor - 1` more frames than this rank outputs, then drops those outputs.
+    With H sharded as well, or a rank without outputs, the window path runs."""
+
+    def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        site = _site(x, self.annotation.dim, self.mesh, several=True)
+        world = site.mesh.size(site.axis)
+        stencil = self.annotation.stencil
+        assert isinstance(stencil, UpCausalStencil)
+        out_length = stencil.out_length(site.length)
+        if (site.others or args or kwargs or has_spare(site.spare)
+                or min(shard_sizes(out_length, world)) == 0):
+            return super().sharded(x, *args, **kwargs)
+        uniform = enabled_local_tensor_mode() is not None
+        plan = plan_windows(stencil, site.length, world, uniform=uniform)
+        window = _window(site, plan, self.annotation, self.reuse(site))
+        rank, m = site.mesh.get_local_rank(site.axis), self.module
+        (_, _, h, w), wrapper = window.shape[1:], m.conv
+        pads = wrapper.time_causal_padding
+        frames = _up_frames(rank, site.length, world, stencil, uniform, window.device)
+        rows = _up_rows(h, int(m.upsample_factor[1]), pads[2], window.device)
+        cols = _up_rows(w, int(m.upsample_factor[2]), pads[0], window.device)
+        up = _gathered(window, frames, rows, cols)
+        del window
+        y = wrapper.conv(up)
+        if uniform:  # every simulated rank ran the longest chunk's frames: keep its own
+            y = y.narrow(self.annotation.dim, 0, _pick(rank, plan.out_len)[0])
+        return rewrap(y, site, self.annotation.dim, out_length)
+
+
+@maybe_run_for_local_tensor
+def _up_frames(rank: int, length: int, world: int, stencil: UpCausalStencil, uniform: bool,
+               device: torch.device) -> torch.Tensor:
+    """Window indices of the input frames behind the up-frames `[s - span + 1, s + n)`
+    (this rank's n outputs from global up-frame s and their history): up-frame 0 and the
+    replicate padding before it repeat frame 0, up-frame u > 0 is frame `(u - 1) // f + 1`.
+    `uniform`: as many as the longest chunk's, the last one repeated (simulated ranks)."""
+    out_length = stencil.out_length(length)
+    n, s = shard_size_and_offset(out_length, world, rank)
+    i0 = stencil.window(s, s + n)[0]
+    longest = shard_sizes(out_length, world)[0] if uniform else n
+    u = torch.arange(s - stencil.span + 1, s + longest, device=device).clamp(max=s + n - 1)
+    return torch.where(u > 0, torch.div(u - 1, stencil.factor, rounding_mode="floor") + 1,
+                       0) - i0
+
+
+def _gathered(window: torch.Tensor, frames: torch.Tensor, rows: torch.Tensor,
+              cols: torch.Tensor) -> torch.Tensor:
+    """`window[:, :, frames][:, :, :, rows][..., cols]`: eager, in one index (one buffer);
+    simulated ranks (per-rank frame counts) one dim at a time."""
+    if _comm.is_eager(window):
+        return window[:, :, frames[:, None, None], rows[None, :, None], cols[None, None, :]]
+    return window.index_select(2, frames).index_select(3, rows).index_select(4, cols)
+
+
+def _up_rows(size: int, factor: int, pad: int, device: torch.device) -> torch.Tensor:
+    """Source rows of `size` rows upsampled by `factor` (nearest), then replicate-padded
+    by `pad` on each side."""
+    up = torch.arange(-pad, size * factor + pad, device=device).clamp(0, size * factor - 1)
+    return torch.div(up, factor, rounding_mode="floor")
 
 
 def _also_rows(module: nn.Module, rows: Callable[[nn.Module], Any]) -> None:
@@ -696,42 +787,77 @@ class _MochiBlockForward(ShardedForward):
         return h, cache
 
 
+# Inference: Mochi's attention along T runs on this many slices of the columns (W, never
+# sharded) in turn, each pixel's sequence whole: its q, k, v, K/V blocks and softmax state
+# are then a fraction of the chunk, far below the convs' buffers.
+_PIXEL_PARTS = 4
+
+
 def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     """`MochiVaeAttnProcessor2_0`: causal attention along T of each pixel's tokens
     `(B*H*W, T, C)`, on this rank's frames; K/V gathered along T. H (or W) may be
-    sharded too, on another mesh axis: each pixel's sequence is along T alone."""
+    sharded too, on another mesh axis: each pixel's sequence is along T alone.
+
+    The normalised input is dropped once its tokens exist. Without grad the pixels are
+    attended in `_PIXEL_PARTS` slices of W in turn (each pixel's own sequence, so the
+    result is the same), so q, k, v and the attention's buffers are a part's."""
     site = _dtensor_site(h, dim, several=True)
-    x, group, n = site.local, (site.mesh, site.axis), site.local.shape[dim]
-    kept = {d: x.shape[d] for _, d in site.others}
-    padded = enabled_local_tensor_mode() is not None
-    if padded:  # as in _causal_attention: equal shapes across simulated ranks
-        longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
-        x = F.pad(x, (0, 0, 0, 0, 0, lack(n, longest)))
-        for a, d in site.others:
-            x = _pad_end(x, d, shard_sizes(h.shape[d], site.mesh.size(a))[0])
-    tokens = x.permute(0, 3, 4, 2, 1).contiguous()  # (B, H, W, T_r, C)
-
-    def heads(lin: nn.Module, norm: nn.Module | None) -> torch.Tensor:
-        t = lin(tokens)
-        t = t.unflatten(-1, (attn.heads, t.shape[-1] // attn.heads)).transpose(-3, -2)
-        return (norm(t) if norm is not None else t).unsqueeze(-2)  # (B, H, W, h, T_r, 1, E)
-
-    q, k, v = heads(attn.to_q, attn.norm_q), heads(attn.to_k, attn.norm_k), \
-        heads(attn.to_v, None)
-    o = frame_attention(q, k, v, group, global_length=site.length, causal=True,
-                        frames=n if padded else None, _reuse=_reuse(attn, site))
-    o = o.squeeze(-2).transpose(-3, -2).flatten(-2).contiguous()  # (B, H, W, T_r, C)
-    o = attn.to_out[1](attn.to_out[0](o))
-    if attn.residual_connection:
-        o = o + tokens
+    shape, mesh, placements = h.shape, site.mesh, site.placements
+    n, padded = site.local.shape[dim], enabled_local_tensor_mode() is not None
+    kept = {d: site.local.shape[d] for _, d in site.others}
+    reuse, length, group = _reuse(attn, site), site.length, (site.mesh, site.axis)
+    tokens = _pixel_tokens(site, dim, h.shape, padded)  # (B, H, W, T_r, C)
+    del h, site  # the caller's norm output: freed here unless autograd keeps it
+    # grad mode is part of the agreed signature: every rank runs as many parts
+    parts = 1 if torch.is_grad_enabled() else min(_PIXEL_PARTS, tokens.shape[2])
+    o = torch.cat([_attend_pixels(attn, part, group, length, n if padded else None,
+                                  (reuse[0], (reuse[1], parts, j)))
+                   for j, part in enumerate(tokens.tensor_split(parts, dim=2))], 2) \
+        if parts > 1 else _attend_pixels(attn, tokens, group, length,
+                                         n if padded else None, reuse)
+    del tokens
     o = (o / attn.rescale_output_factor).permute(0, 4, 3, 1, 2)
     if padded:
         o = o.narrow(dim, 0, n)
         for d, rows in kept.items():
             o = o.narrow(d, 0, rows)
-    stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
-    return DTensor.from_local(o.contiguous(), site.mesh, site.placements, run_check=False,
-                              shape=h.shape, stride=stride)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(o.contiguous(), mesh, placements, run_check=False,
+                              shape=shape, stride=stride)
+
+
+def _attend_pixels(attn: nn.Module, tokens: torch.Tensor, group: Any, length: int,
+                   frames: Any, reuse: Any) -> torch.Tensor:
+    """The processor's steps on `(B, H, W_j, T_r, C)` tokens: q, k, v (q, k normalised),
+    causal attention along T, the output projection (and residual); q, k, v dropped once
+    attended."""
+    def heads(lin: nn.Module, norm: nn.Module | None) -> torch.Tensor:
+        t = lin(tokens)
+        # heads before frames in memory: frame_attention's query rows need no copy
+        t = t.unflatten(-1, (attn.heads, t.shape[-1] // attn.heads)).transpose(-3, -2)
+        t = t.contiguous()
+        return (norm(t) if norm is not None else t).unsqueeze(-2)  # (B, H, W, h, T_r, 1, E)
+
+    q, k, v = heads(attn.to_q, attn.norm_q), heads(attn.to_k, attn.norm_k), \
+        heads(attn.to_v, None)
+    o = frame_attention(q, k, v, group, global_length=length, causal=True, frames=frames,
+                        _reuse=reuse)
+    del q, k, v
+    o = o.squeeze(-2).transpose(-3, -2).flatten(-2).contiguous()  # (B, H, W_j, T_r, C)
+    o = attn.to_out[1](attn.to_out[0](o))
+    return o + tokens if attn.residual_connection else o
+
+
+def _pixel_tokens(site: _Site, dim: int, shape: torch.Size, padded: bool) -> torch.Tensor:
+    """This rank's chunk as `(B, H, W, T_r, C)` tokens; under simulated ranks padded at
+    the end of T (and of the other sharded dims) to equal shapes, as `_causal_attention`."""
+    x = site.local
+    if padded:
+        longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
+        x = F.pad(x, (0, 0, 0, 0, 0, lack(x.shape[dim], longest)))
+        for a, d in site.others:
+            x = _pad_end(x, d, shard_sizes(shape[d], site.mesh.size(a))[0])
+    return x.permute(0, 3, 4, 2, 1).contiguous()
 
 
 def _pad_end(x: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
@@ -1060,7 +1186,16 @@ def _causal_conv(module: nn.Module) -> ParallelStyle:
     if mode not in _PAD:
         raise HaloError(f"a causal conv with pad_mode {mode!r} is not supported; expected "
                         f"one of {sorted(_PAD)}")
-    return CausalConvParallel(pad=_PAD[mode])  # type: ignore[arg-type]
+    return CausalConvParallel(pad=_PAD[mode], pads=_own_hw(module))  # type: ignore[arg-type]
+
+
+def _own_hw(module: nn.Module) -> dict[int, tuple[int, int]]:
+    """The H and W widths of the wrapper's own `F.pad` (`time_causal_padding`, W first:
+    HunyuanVideo's and CogVideoX's replicate causal conv): named, so that the chunk is
+    padded before the T exchange and the wrapper's `F.pad` copies nothing."""
+    w_left, w_right, h_left, h_right = module.time_causal_padding[:4]
+    pads = {3: (h_left, h_right), 4: (w_left, w_right)}
+    return {d: lr for d, lr in pads.items() if any(lr)}  # a 1-wide kernel pads nothing
 
 
 def _runs_children(module: nn.Module) -> None:
@@ -1100,7 +1235,7 @@ def _cog_causal_conv(module: nn.Module) -> ParallelStyle:
     `(output, conv_cache)`, whose cache comes back as None under a halo."""
     k, stride = module.time_kernel_size, module.conv.stride[0]
     if module.pad_mode == "replicate":  # F.pad then the conv: any stride (Mochi's down)
-        return CausalConvParallel(pad="replicate")
+        return CausalConvParallel(pad="replicate", pads=_own_hw(module))
     if stride != 1 or module.conv.dilation[0] != 1:
         raise HaloError(f"a CogVideoXCausalConv3d with stride {stride} and dilation "
                         f"{module.conv.dilation[0]} along T is not planned; expected 1 and 1")
