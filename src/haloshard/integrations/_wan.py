@@ -24,6 +24,15 @@ output becomes 2 frames: `1 + 2 (T - 1)` outputs. The window rule `CachedUpStenc
 each window at frame 0, or early enough that the window's own first frame (run alone, as
 the loop runs frame 0) and the conv's 2 frames of history are real frames of the window, so
 no kept output reads the window's zero history.
+
+With H sharded instead (`plan_for(vae, dims=(3,))`), every rank runs the model's own loops
+(`vae.encode`, `vae.decode`, unchanged) on its rows: T is whole on every rank, so the chunk
+loops, their feature caches and the temporal resampling run as on one device. The caches
+hold `Shard(3)` DTensors (the causal convs' cached frames) or, inside a `WanResample`, this
+rank's window of rows (plain tensors, the same rows at every chunk). Two layers read across
+rows: `WanCausalConv3d` (its `F.pad` of H, centred zeros) takes its H halo for the cached
+frames and its input at once (`WanCausalConvParallel`); `WanAttentionBlock` attends over
+every H*W token of each frame, with K and V gathered along H (`WanAttentionParallel`).
 """
 
 from __future__ import annotations
@@ -32,13 +41,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from haloshard._attention import gather_many, sdpa
+from haloshard._compat import enabled_local_tensor_mode
 from haloshard._errors import HaloError
+from haloshard._forward import ShardedForward, install, names_errors
+from haloshard._hooks import _dtensor_site, _HaloForward, attach, resolve, rewrap
 from haloshard._layer_styles import FirstFrameParallel, LocalParallel
-from haloshard._layout import HaloShard, PadMode
+from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
 from haloshard._styles import HaloParallel
 
 
@@ -205,3 +220,142 @@ def wan_decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
     # under simulated ranks
     return DTensor.from_local(torch.clamp(y.to_local(), min=-1.0, max=1.0), y.device_mesh,
                               y.placements, run_check=False, shape=y.shape, stride=y.stride())
+
+
+# ---------------------------------------------------------------- H sharded: the model's loops
+def _split_cache(forward: Any, window: torch.Tensor, frames: int = 0) -> torch.Tensor:
+    """Run `WanCausalConv3d.forward` on a window whose first `frames` frames are its cached
+    frames: split back into `x` and `cache_x`, so that the module pads T as it would."""
+    if frames == 0:
+        return forward(window)
+    rest = window.shape[2] - frames
+    return forward(window.narrow(2, frames, rest), window.narrow(2, 0, frames))
+
+
+class _CachedRowsForward(_HaloForward):
+    """`WanCausalConv3d.forward(x, cache_x)` with H sharded: the cached frames go before x
+    along T (both this rank's rows), one H halo is exchanged for both, and the module's own
+    forward runs on the window split back into cache and input (`_split_cache`), its
+    `F.pad` of H dropped (the halo holds it)."""
+
+    def sharded(self, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> Any:
+        # the module reads its cache only where it pads T (`_padding[4]`, its own rule)
+        if cache_x is None or self.module._padding[4] == 0:
+            return super().sharded(x)
+        return super().sharded(torch.cat([cache_x, x], dim=2), cache_x.shape[2])
+
+
+class WanCausalConvParallel(ParallelStyle):
+    """Wan's `WanCausalConv3d` with H sharded (dim 3), called as its loops call it: `conv(x)`
+    or `conv(x, cache_x)` with the feature cache's last frames (`Shard(3)` DTensors both).
+
+    The module pads W, H (centred, zeros) and T (causal, zeros, less the cached frames) with
+    one `F.pad`, then convolves with no padding of its own. Here its input and cached
+    frames, concatenated along T as the module does, take one H halo of `(k_H - 1) // 2`
+    rows per side (zeros beyond the global ends), and the module's own forward runs on the
+    window with its `F.pad` of H dropped: exact, forward and backward, uneven and empty
+    shards included (a rank without rows runs its halo rows alone and keeps no output).
+
+    Raises:
+        HaloError: in `_apply` for another class, a dim other than 3, or a conv whose H
+            padding is not `(k_H - 1) // 2` zeros on each side with stride and dilation 1
+            along H.
+    """
+
+    def __init__(self, *, dim: int = 3) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"WanCausalConvParallel(dim={self.dim})"
+
+    @names_errors
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_rows_class(module, "WanCausalConv3d", "WanCausalConvParallel", self.dim)
+        k, pads = module.kernel_size[1], tuple(module._padding[2:4])
+        if (module.stride[1], module.dilation[1]) != (1, 1) or pads != ((k - 1) // 2,) * 2 \
+                or k % 2 == 0:
+            raise HaloError(f"WanCausalConvParallel expects an odd kernel along H padded by "
+                            f"(k - 1) // 2 on each side, stride and dilation 1, got kernel "
+                            f"{k}, H padding {pads}, stride {module.stride[1]}, dilation "
+                            f"{module.dilation[1]}")
+        spec = HaloShard(3, left=pads[0], right=pads[1], pad="zeros")
+        attach(module, resolve(module, spec, dim=3), device_mesh)
+        base = module.forward
+        assert isinstance(base, _HaloForward)
+        module.forward = _CachedRowsForward(  # the handle restores base.previous
+            module, base.annotation, base.mesh, base.saved, base.previous, overlap=False,
+            name=base.name, local=_split_cache)
+        return module
+
+
+def _check_rows_class(module: nn.Module, name: str, style: str, dim: int) -> None:
+    if type(module).__name__ != name:
+        raise HaloError(f"{style} applies to diffusers' {name}, got {type(module).__name__}")
+    if dim != 3:
+        raise HaloError(f"{style} shards H (dim 3 of (B, C, T, H, W)), got dim={dim}; "
+                        "expected dim=3 (along T, Wan runs wan_encode / wan_decode)")
+
+
+class _AttentionRowsForward(ShardedForward):
+    """`WanAttentionBlock.forward` on a `Shard(3)` DTensor: per frame, this rank's rows'
+    queries over the keys and values of every row (gathered along H)."""
+
+    def fresh(self) -> None:
+        # K/V gathers agreed by global signature: later calls issue no metadata collective
+        self.agreed: dict[Any, Any] = {}
+
+    def sharded(self, x: torch.Tensor) -> DTensor:
+        if not isinstance(x, DTensor):
+            raise HaloError(f"WanAttentionParallel needs a Shard(3) DTensor input, got "
+                            f"{type(x).__name__}")
+        m, site = self.module, _dtensor_site(x, 3)
+        local = site.local
+        b, c, t, n, w = local.shape
+        rows = n
+        if enabled_local_tensor_mode() is not None:
+            # simulated ranks: every chunk padded to the longest (the reshapes below take
+            # no per-rank length); the padding rows' outputs are dropped
+            rows = shard_sizes(site.length, site.mesh.size(site.axis))[0]
+        elif n == 0:
+            rows = 1  # a rank without rows runs one zero row (its convs refuse none)
+        y = F.pad(local, (0, 0, 0, lack(n, rows)))
+        y = m.norm(y.permute(0, 2, 1, 3, 4).reshape(b * t, c, rows, w))  # per pixel
+        # (B*T, 1, rows, W, 3C): the block's single head, tokens row by row
+        q, k, v = m.to_qkv(y).movedim(1, -1).unsqueeze(1).chunk(3, dim=-1)
+        key = (site.shape, site.placements, id(site.mesh), x.dtype, x.requires_grad,
+               torch.is_grad_enabled())
+        k, v = gather_many(tuple(t_.narrow(2, 0, n).contiguous() for t_ in (k, v)), 2,
+                           (site.mesh, site.axis), global_length=site.length,
+                           reuse=(self.agreed, key))
+        o = sdpa(q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3), None)  # (B*T, 1, N, C)
+        o = m.proj(o.squeeze(1).transpose(1, 2).reshape(b * t, c, rows, w))
+        o = o.view(b, t, c, rows, w).permute(0, 2, 1, 3, 4).narrow(3, 0, n)
+        return rewrap(o + local, site, 3, site.length)
+
+
+class WanAttentionParallel(ParallelStyle):
+    """Wan's `WanAttentionBlock` with H sharded (dim 3): each frame attends over its H*W
+    tokens (one head, no mask); this rank's rows' queries run against the keys and values
+    of every row, all-gathered along H. The block's norm (per pixel over C), its 1x1
+    `to_qkv` and `proj` run on this rank's rows, as the block's own forward uses them.
+    Exact, forward and backward (the gather's backward reduce-scatters dK and dV); memory:
+    every rank holds one chunk's full K and V (`2 * B * T * H * W * C`).
+
+    Raises:
+        HaloError: in `_apply` for another class or a dim other than 3; at run time for a
+            plain tensor input.
+    """
+
+    def __init__(self, *, dim: int = 3) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"WanAttentionParallel(dim={self.dim})"
+
+    @names_errors
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_rows_class(module, "WanAttentionBlock", "WanAttentionParallel", self.dim)
+        install(module, _AttentionRowsForward(module, 3, device_mesh))
+        return module
