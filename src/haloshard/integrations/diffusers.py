@@ -66,7 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from haloshard import _segments
+from haloshard import _dtensor_ops, _segments
 from haloshard._attention import gather_many
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
@@ -1633,4 +1633,8 @@ def plan_for(module: nn.Module, *, dims: tuple[int, ...] = (2,)
             covered.append(fqn)
         elif rule[1]:  # names of children the style runs itself
             covered.extend(f"{fqn}.{child}" for child in rule[1])
+    # The public `encode` chunks its moments (`DiagonalGaussianDistribution`): the backward
+    # of that chunk needs haloshard's zero fill of unused view outputs, which a plan that
+    # builds no HaloShard (CogVideoX on H) would otherwise run without.
+    _dtensor_ops.install()
     return plan
