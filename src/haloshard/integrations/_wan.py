@@ -27,12 +27,13 @@ no kept output reads the window's zero history.
 
 With H sharded instead (`plan_for(vae, dims=(3,))`), every rank runs the model's own loops
 (`vae.encode`, `vae.decode`, unchanged) on its rows: T is whole on every rank, so the chunk
-loops, their feature caches and the temporal resampling run as on one device. The caches
-hold `Shard(3)` DTensors (the causal convs' cached frames) or, inside a `WanResample`, this
-rank's window of rows (plain tensors, the same rows at every chunk). Two layers read across
-rows: `WanCausalConv3d` (its `F.pad` of H, centred zeros) takes its H halo for the cached
-frames and its input at once (`WanCausalConvParallel`); `WanAttentionBlock` attends over
-every H*W token of each frame, with K and V gathered along H (`WanAttentionParallel`).
+loops, their feature caches (holding `Shard(3)` DTensors: this rank's rows of the cached
+frames) and the temporal resampling run as on one device. Three layers read across rows:
+`WanCausalConv3d` (its `F.pad` of H, centred zeros) takes its H halo for the cached frames
+and its input at once (`WanCausalConvParallel`); `WanAttentionBlock` attends over every
+H*W token of each frame, with K and V gathered along H (`WanAttentionParallel`); a
+`WanResample`'s spatial layers (per frame) run on a window of rows (the plan's stencils,
+in `haloshard.integrations.diffusers`).
 """
 
 from __future__ import annotations
@@ -254,7 +255,7 @@ class WanCausalConvParallel(ParallelStyle):
     frames, concatenated along T as the module does, take one H halo of `(k_H - 1) // 2`
     rows per side (zeros beyond the global ends), and the module's own forward runs on the
     window with its `F.pad` of H dropped: exact, forward and backward, uneven and empty
-    shards included (a rank without rows runs its halo rows alone and keeps no output).
+    shards included.
 
     Raises:
         HaloError: in `_apply` for another class, a dim other than 3, or a conv whose H

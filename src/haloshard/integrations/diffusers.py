@@ -16,10 +16,11 @@ tests/test_diffusers.py):
   and its resnets, `ReplicatedArgsParallel`), and 0.9.5/0.9.7's encoder downsamplers
   (`LTXDownsamplerParallel`, `haloshard.integrations._ltx`); noise injection raises
   `HaloError`.
-- `AutoencoderKLWan` (Wan 2.1): `wan_encoder_plan(vae)` with `wan_encode(vae, x)`, and
-  `wan_decoder_plan(vae)` with `wan_decode(vae, z)` (`haloshard.integrations._wan`,
+- `AutoencoderKLWan` (Wan 2.1): on T, `wan_encoder_plan(vae)` with `wan_encode(vae, x)`,
+  and `wan_decoder_plan(vae)` with `wan_decode(vae, z)` (`haloshard.integrations._wan`,
   re-exported here) give exactly `vae._encode`'s chunk loop (T = 1 + 4k) and `vae._decode`'s
-  frame loop; `plan_for` refers Wan models there.
+  frame loop; on H, `plan_for(vae, dims=(3,))` runs those loops themselves (the public
+  `encode` / `decode`, unchanged) on each rank's rows.
 
 Each plan checks every layer by class, with or without parameters: a class it does not know
 raises `HaloError` naming the layer by fqn, rather than being left to DTensor's default
@@ -41,11 +42,15 @@ slicing, framewise encoding or decoding). The styles that only these models need
   T per pixel, and depth-to-space along T.
 - `LTXUpsamplerParallel`: a conv before depth-to-space along T, on windows with its reach.
 
-`plan_for(module, dims=(3,))` shards H instead (every model above but Wan), and
-`dims=(2, 3)` T and H at once on a `(t, h)` mesh (HunyuanVideo, Mochi, LTX-Video); the
-styles above then take `dim=3`, or a stencil along H beside their T one
-(`RepeatConvStencil`, `ConvRepeatStencil`). A layer that cannot be sharded on the dims
-asked for raises `HaloError` naming it when the plan is built.
+`plan_for(module, dims=(3,))` shards H instead (every model above), and `dims=(2, 3)` T
+and H at once on a `(t, h)` mesh (HunyuanVideo, Mochi, LTX-Video); the styles above then
+take `dim=3`, or a stencil along H beside their T one (`RepeatConvStencil`,
+`ConvRepeatStencil`). With H sharded, T is whole on every rank, so the models' own frame
+loops (CogVideoX's frame batches, Wan's chunks with their feature caches) run unchanged;
+Wan's causal convs take their H halo for their cached frames too
+(`WanCausalConvParallel`), and its per-frame attention gathers K and V along H
+(`WanAttentionParallel`). A layer that cannot be sharded on the dims asked for raises
+`HaloError` naming it when the plan is built.
 
 diffusers is imported only when a function here is called.
 """
@@ -1582,18 +1587,20 @@ def plan_for(module: nn.Module, *, dims: tuple[int, ...] = (2,)
     encoding or decoding: HunyuanVideo's default) must be off. An `.encoder` or `.decoder`
     planned alone is for calling directly: only `plan_for(vae)` sees those switches.
 
-    `dims` picks the sharded dims of `(B, C, T, H, W)`: `(2,)` T (every model); `(3,)` H
-    (HunyuanVideo, CogVideoX with its own `_encode` / `_decode` frame-batch loops, Mochi,
-    LTX-Video with `patch_size=1`), applied on a 1-D mesh with the input `Shard(3)`;
-    `(2, 3)` T and H at once (HunyuanVideo, Mochi, LTX-Video with `patch_size=1` and no
-    timestep conditioning), applied on the `t` axis of a `(t, h)` mesh
-    (`parallelize_module(vae, mesh["t"], plan)`) with the input `[Shard(2), Shard(3)]`. A
-    layer that cannot be sharded on `dims` raises `HaloError` naming it and the dims when
-    the plan is built (on T and H: CogVideoX's layers).
+    `dims` picks the sharded dims of `(B, C, T, H, W)`: `(2,)` T (every model but Wan,
+    whose T plans are `wan_encoder_plan` / `wan_decoder_plan`); `(3,)` H (HunyuanVideo,
+    CogVideoX and Wan 2.1 through their public `encode` / `decode`, whose frame loops and
+    caches run unchanged on each rank's rows; Mochi; LTX-Video with `patch_size=1`),
+    applied on a 1-D mesh with the input `Shard(3)`; `(2, 3)` T and H at once
+    (HunyuanVideo, Mochi, LTX-Video with `patch_size=1` and no timestep conditioning),
+    applied on the `t` axis of a `(t, h)` mesh (`parallelize_module(vae, mesh["t"],
+    plan)`) with the input `[Shard(2), Shard(3)]`. A layer that cannot be sharded on `dims`
+    raises `HaloError` naming it and the dims when the plan is built (on T and H:
+    CogVideoX's layers; Wan, whose loops walk T; Wan 2.2's residual blocks on H).
 
     Args:
-        module: `AutoencoderKLHunyuanVideo`, `AutoencoderKLCogVideoX`, `AutoencoderKLMochi`
-            or `AutoencoderKLLTXVideo`, or its `.encoder` / `.decoder`.
+        module: `AutoencoderKLHunyuanVideo`, `AutoencoderKLCogVideoX`, `AutoencoderKLMochi`,
+            `AutoencoderKLLTXVideo` or `AutoencoderKLWan`, or its `.encoder` / `.decoder`.
         dims: `(2,)`, `(3,)` or `(2, 3)`.
 
     Returns:
@@ -1609,6 +1616,9 @@ def plan_for(module: nn.Module, *, dims: tuple[int, ...] = (2,)
         parallelize_module(vae.decoder, mesh, plan)
         vae.decoder(distribute_tensor(z, mesh, [Shard(2)])).shape  # z: (1, 16, 5, 8, 8)
         # torch.Size([1, 3, 17, 64, 64])
+
+        parallelize_module(wan, mesh, plan_for(wan, dims=(3,)))  # Wan 2.1, on H
+        wan.decode(distribute_tensor(z, mesh, [Shard(3)])).sample.placements  # (Shard(3),)
     """
     dims = _check_dims(dims)
     rules = _PLANS.get(type(module).__name__)
