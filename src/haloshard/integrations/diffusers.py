@@ -1516,9 +1516,9 @@ def _check_wan_dims(name: str, dims: tuple[int, ...]) -> None:
         return
     if dims == (2,):
         raise HaloError(f"{name}: Wan's encode and decode are chunk loops along T with a "
-                        "feature cache; shard H with plan_for(vae, dims=(3,)) (the public "
-                        "calls unchanged), or T with wan_encoder_plan(vae) and wan_encode(vae, "
-                        "x), wan_decoder_plan(vae) and wan_decode(vae, z)")
+                        "feature cache; use wan_encoder_plan(vae) with wan_encode(vae, x), "
+                        "and wan_decoder_plan(vae) with wan_decode(vae, z), to shard T, or "
+                        "plan_for(vae, dims=(3,)) to shard H (the public calls unchanged)")
     raise HaloError(f"{name} cannot be planned on dims {dims}: Wan's encode and decode "
                     "loops walk T one chunk at a time, so T cannot be sharded under them; "
                     "expected dims=(3,) (H)")
