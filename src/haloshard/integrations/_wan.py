@@ -47,14 +47,27 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.overrides import TorchFunctionMode
 
 from haloshard._attention import gather_many, sdpa
 from haloshard._compat import enabled_local_tensor_mode
+from haloshard._conv import slow_window
 from haloshard._errors import HaloError
+from haloshard._exchange import Reuse
 from haloshard._forward import ShardedForward, install, names_errors
-from haloshard._hooks import _dtensor_site, _HaloForward, attach, resolve, rewrap
+from haloshard._hooks import (
+    _dtensor_site,
+    _HaloForward,
+    _Site,
+    _site,
+    _window,
+    attach,
+    resolve,
+    rewrap,
+)
 from haloshard._layer_styles import FirstFrameParallel, LocalParallel
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
+from haloshard._specs import WindowPlan
 from haloshard._styles import HaloParallel
 
 
@@ -224,38 +237,90 @@ def wan_decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- H sharded: the model's loops
-def _split_cache(forward: Any, window: torch.Tensor, frames: int = 0) -> torch.Tensor:
-    """Run `WanCausalConv3d.forward` on a window whose first `frames` frames are its cached
-    frames: split back into `x` and `cache_x`, so that the module pads T as it would."""
-    if frames == 0:
-        return forward(window)
-    rest = window.shape[2] - frames
-    return forward(window.narrow(2, frames, rest), window.narrow(2, 0, frames))
+class _FastConv3d(TorchFunctionMode):
+    """Inside a Wan conv on its window of rows: a `conv3d` that torch would run on its slow
+    path (CPU, batch 1: it takes mkldnn only when `B * C * T * H > 20480`, so fewer rows
+    per rank send more layers there than on one device) runs as one conv2d per tap along
+    T instead, the frames folded into the batch. The slow path's im2col columns are 27
+    times its input for a 3x3x3 kernel (measured: 1.5 times one device's peak per rank on
+    2 ranks, Wan's default decoder at 64x64); the taps hold one frames-first copy of the
+    input. The same sums in another order (float rounding only)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is F.conv3d and not kwargs and len(args) == 7 and _by_time_taps(*args):
+            return _conv3d_time_taps(*args)
+        return func(*args, **kwargs)
+
+
+def _by_time_taps(x: Any, weight: Any, bias: Any, stride: Any, padding: Any,
+                  dilation: Any, groups: int) -> bool:
+    """Whether torch would run this conv3d (no padding of its own) on its slow path."""
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and not isinstance(x, DTensor) and x.ndim == 5 and x.device.type == "cpu"
+            and tuple(padding) == (0, 0, 0) and x.numel() > 0):
+        return False
+    return slow_window(x, list(x.shape), weight, list(stride), [0, 0, 0], list(dilation),
+                       groups)
+
+
+def _conv3d_time_taps(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      stride: Any, padding: Any, dilation: Any, groups: int) -> torch.Tensor:
+    """`F.conv3d(x, weight, bias, stride, 0, dilation, groups)` as the sum over taps `j`
+    along T of `conv2d(frames j*d, j*d + s, ..., weight[:, :, j])`, frames folded into the
+    batch: `(B, C, T, H, W) -> (B, O, T_out, H_out, W_out)`."""
+    k, s, d = weight.shape[2], stride[0], dilation[0]
+    count = (x.shape[2] - d * (k - 1) - 1) // s + 1
+    frames = x.permute(2, 0, 1, 3, 4).contiguous()  # (T, B, C, H, W): a tap's frames
+    y: torch.Tensor | None = None
+    for j in range(k):
+        picked = frames.narrow(0, j * d, s * (count - 1) + 1)[::s]
+        out = F.conv2d(picked.flatten(0, 1), weight[:, :, j], bias if j == 0 else None,
+                       tuple(stride[1:]), 0, tuple(dilation[1:]), groups)
+        y = out if y is None else y.add_(out)
+    assert y is not None
+    return y.unflatten(0, (count, x.shape[0])).permute(1, 2, 0, 3, 4)
 
 
 class _CachedRowsForward(_HaloForward):
-    """`WanCausalConv3d.forward(x, cache_x)` with H sharded: the cached frames go before x
-    along T (both this rank's rows), one H halo is exchanged for both, and the module's own
-    forward runs on the window split back into cache and input (`_split_cache`), its
-    `F.pad` of H dropped (the halo holds it)."""
+    """`WanCausalConv3d.forward(x, cache_x)` with H sharded: the cached frames (this rank's
+    rows) take the same H halo as x, and the module's own forward runs on both windows (its
+    `torch.cat` of cache and input along T, its `F.pad` of T and W; the `F.pad` of H
+    dropped, the halo holds it)."""
 
     def sharded(self, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> Any:
         # the module reads its cache only where it pads T (`_padding[4]`, its own rule)
         if cache_x is None or self.module._padding[4] == 0:
             return super().sharded(x)
-        return super().sharded(torch.cat([cache_x, x], dim=2), cache_x.shape[2])
+        return super().sharded(x, cache_x)
+
+    def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
+                       **kwargs: Any) -> Any:
+        if not args:
+            return super().exchange_first(site, plan, reuse)
+        # the cache's rows are x's: the same windows, agreed under a key of their own
+        cached = _site(args[0], self.dim, self.mesh)
+        store, _, signature = self.reuse(cached)
+        window = _window(cached, plan, self.annotation, (store, "cache", signature))
+        return super().exchange_first(site, plan, reuse, window)
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        with _FastConv3d():
+            return super().original(*args, **kwargs)
 
 
 class WanCausalConvParallel(ParallelStyle):
     """Wan's `WanCausalConv3d` with H sharded (dim 3), called as its loops call it: `conv(x)`
     or `conv(x, cache_x)` with the feature cache's last frames (`Shard(3)` DTensors both).
 
-    The module pads W, H (centred, zeros) and T (causal, zeros, less the cached frames) with
-    one `F.pad`, then convolves with no padding of its own. Here its input and cached
-    frames, concatenated along T as the module does, take one H halo of `(k_H - 1) // 2`
-    rows per side (zeros beyond the global ends), and the module's own forward runs on the
-    window with its `F.pad` of H dropped: exact, forward and backward, uneven and empty
-    shards included.
+    The module concatenates its cached frames before its input along T, pads W, H
+    (centred, zeros) and T (causal, zeros, less the cached frames) with one `F.pad`, then
+    convolves with no padding of its own. Here its input and its cached frames each take
+    the H halo of `(k_H - 1) // 2` rows per side (zeros beyond the global ends), and the
+    module's own forward runs on the two windows with its `F.pad` of H dropped: exact,
+    forward and backward, uneven and empty shards included. A conv3d that torch would run
+    on its slow path for the window runs tap by tap along T (`_FastConv3d`).
 
     Raises:
         HaloError: in `_apply` for another class, a dim other than 3, or a conv whose H
@@ -286,7 +351,7 @@ class WanCausalConvParallel(ParallelStyle):
         assert isinstance(base, _HaloForward)
         module.forward = _CachedRowsForward(  # the handle restores base.previous
             module, base.annotation, base.mesh, base.saved, base.previous, overlap=False,
-            name=base.name, local=_split_cache)
+            name=base.name)
         return module
 
 
