@@ -166,6 +166,34 @@ def test_cogvideox_public_rows_simulated(run: Callable[..., Any], shape: tuple[i
         check(mesh, vae, seeded_randn(shape, 1), run)
 
 
+# ---------------------------------------------------------------- conv3d tap by tap
+@pytest.mark.parametrize(("stride", "dilation"), [((1, 1, 1), (1, 1, 1)),
+                                                  ((2, 1, 1), (1, 1, 1)),
+                                                  ((1, 2, 1), (2, 1, 1))])
+def test_conv3d_time_taps(stride: tuple[int, ...], dilation: tuple[int, ...]) -> None:
+    """A Wan conv's window that torch would convolve on its slow path (CPU, batch 1,
+    `B * C * T * H <= 20480`: im2col columns 27 times the input) runs as one conv2d per
+    tap along T: the same values and gradients (float64, summed in another order: 1e-12
+    on O(1) values), and torch's choice is asked of the window's own sizes."""
+    from haloshard.integrations._wan import _by_time_taps, _conv3d_time_taps
+
+    x = seeded_randn((1, 8, 7, 6, 5), 1).requires_grad_()
+    w = seeded_randn((4, 8, 3, 3, 3), 2).requires_grad_()
+    b = seeded_randn((4,), 3).requires_grad_()
+    args = (stride, (0, 0, 0), dilation, 1)
+    y = _conv3d_time_taps(x, w, b, *args)
+    y_ref = torch.nn.functional.conv3d(x, w, b, *args)
+    torch.testing.assert_close(y, y_ref, atol=1e-12, rtol=1e-12)
+    gy = seeded_randn(tuple(y.shape), 4)
+    grads = torch.autograd.grad(y, (x, w, b), gy)
+    for got, want in zip(grads, torch.autograd.grad(y_ref, (x, w, b), gy), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    small = torch.zeros(1, 96, 6, 34, 66)  # 96 * 6 * 34 = 19584: torch's slow path
+    assert _by_time_taps(small, torch.zeros(96, 96, 3, 3, 3), None, *args)
+    large = torch.zeros(1, 96, 6, 66, 66)  # one device's rows: mkldnn
+    assert not _by_time_taps(large, torch.zeros(96, 96, 3, 3, 3), None, *args)
+
+
 # ---------------------------------------------------------------- refusals, the cache
 def test_wan_dims_refused() -> None:
     """On T Wan has its own plans and calls; on T and H at once its loops cannot run."""
