@@ -24,6 +24,16 @@ output becomes 2 frames: `1 + 2 (T - 1)` outputs. The window rule `CachedUpStenc
 each window at frame 0, or early enough that the window's own first frame (run alone, as
 the loop runs frame 0) and the conv's 2 frames of history are real frames of the window, so
 no kept output reads the window's zero history.
+
+With H sharded instead (`plan_for(vae, dims=(3,))`), every rank runs the model's own loops
+(`vae.encode`, `vae.decode`, unchanged) on its rows: T is whole on every rank, so the chunk
+loops, their feature caches (holding `Shard(3)` DTensors: this rank's rows of the cached
+frames) and the temporal resampling run as on one device. Three layers read across rows:
+`WanCausalConv3d` (its `F.pad` of H, centred zeros) takes its H halo for the cached frames
+and its input at once (`WanCausalConvParallel`); `WanAttentionBlock` attends over every
+H*W token of each frame, with K and V gathered along H (`WanAttentionParallel`); a
+`WanResample`'s spatial layers (per frame) run on a window of rows (the plan's stencils,
+in `haloshard.integrations.diffusers`).
 """
 
 from __future__ import annotations
@@ -32,13 +42,32 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.overrides import TorchFunctionMode
 
+from haloshard._attention import gather_many, sdpa
+from haloshard._compat import enabled_local_tensor_mode
+from haloshard._conv import slow_window
 from haloshard._errors import HaloError
+from haloshard._exchange import Reuse
+from haloshard._forward import ShardedForward, install, names_errors
+from haloshard._hooks import (
+    _dtensor_site,
+    _HaloForward,
+    _Site,
+    _site,
+    _window,
+    attach,
+    resolve,
+    rewrap,
+)
 from haloshard._layer_styles import FirstFrameParallel, LocalParallel
-from haloshard._layout import HaloShard, PadMode
+from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
+from haloshard._specs import WindowPlan
 from haloshard._styles import HaloParallel
 
 
@@ -205,3 +234,194 @@ def wan_decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
     # under simulated ranks
     return DTensor.from_local(torch.clamp(y.to_local(), min=-1.0, max=1.0), y.device_mesh,
                               y.placements, run_check=False, shape=y.shape, stride=y.stride())
+
+
+# ---------------------------------------------------------------- H sharded: the model's loops
+class _FastConv3d(TorchFunctionMode):
+    """Inside a Wan conv on its window of rows: a `conv3d` that torch would run on its slow
+    path (CPU, batch 1: it takes mkldnn only when `B * C * T * H > 20480`, so fewer rows
+    per rank send more layers there than on one device) runs as one conv2d per tap along
+    T instead, the frames folded into the batch. The slow path's im2col columns are 27
+    times its input for a 3x3x3 kernel (measured: 1.5 times one device's peak per rank on
+    2 ranks, Wan's default decoder at 64x64); the taps hold one frames-first copy of the
+    input. The same sums in another order (float rounding only)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is F.conv3d and not kwargs and len(args) == 7 and _by_time_taps(*args):
+            return _conv3d_time_taps(*args)
+        return func(*args, **kwargs)
+
+
+def _by_time_taps(x: Any, weight: Any, bias: Any, stride: Any, padding: Any,
+                  dilation: Any, groups: int) -> bool:
+    """Whether torch would run this conv3d (no padding of its own) on its slow path."""
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and not isinstance(x, DTensor) and x.ndim == 5 and x.device.type == "cpu"
+            and tuple(padding) == (0, 0, 0) and x.numel() > 0):
+        return False
+    return slow_window(x, list(x.shape), weight, list(stride), [0, 0, 0], list(dilation),
+                       groups)
+
+
+def _conv3d_time_taps(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      stride: Any, padding: Any, dilation: Any, groups: int) -> torch.Tensor:
+    """`F.conv3d(x, weight, bias, stride, 0, dilation, groups)` as the sum over taps `j`
+    along T of `conv2d(frames j*d, j*d + s, ..., weight[:, :, j])`, frames folded into the
+    batch: `(B, C, T, H, W) -> (B, O, T_out, H_out, W_out)`."""
+    k, s, d = weight.shape[2], stride[0], dilation[0]
+    count = (x.shape[2] - d * (k - 1) - 1) // s + 1
+    frames = x.permute(2, 0, 1, 3, 4).contiguous()  # (T, B, C, H, W): a tap's frames
+    y: torch.Tensor | None = None
+    for j in range(k):
+        picked = frames.narrow(0, j * d, s * (count - 1) + 1)[::s]
+        out = F.conv2d(picked.flatten(0, 1), weight[:, :, j], bias if j == 0 else None,
+                       tuple(stride[1:]), 0, tuple(dilation[1:]), groups)
+        y = out if y is None else y.add_(out)
+    assert y is not None
+    return y.unflatten(0, (count, x.shape[0])).permute(1, 2, 0, 3, 4)
+
+
+class _CachedRowsForward(_HaloForward):
+    """`WanCausalConv3d.forward(x, cache_x)` with H sharded: the cached frames (this rank's
+    rows) take the same H halo as x, and the module's own forward runs on both windows (its
+    `torch.cat` of cache and input along T, its `F.pad` of T and W; the `F.pad` of H
+    dropped, the halo holds it)."""
+
+    def sharded(self, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> Any:
+        # the module reads its cache only where it pads T (`_padding[4]`, its own rule)
+        if cache_x is None or self.module._padding[4] == 0:
+            return super().sharded(x)
+        return super().sharded(x, cache_x)
+
+    def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
+                       **kwargs: Any) -> Any:
+        if not args:
+            return super().exchange_first(site, plan, reuse)
+        # the cache's rows are x's: the same windows, agreed under a key of their own
+        cached = _site(args[0], self.dim, self.mesh)
+        store, _, signature = self.reuse(cached)
+        window = _window(cached, plan, self.annotation, (store, "cache", signature))
+        return super().exchange_first(site, plan, reuse, window)
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        with _FastConv3d():
+            return super().original(*args, **kwargs)
+
+
+class WanCausalConvParallel(ParallelStyle):
+    """Wan's `WanCausalConv3d` with H sharded (dim 3), called as its loops call it: `conv(x)`
+    or `conv(x, cache_x)` with the feature cache's last frames (`Shard(3)` DTensors both).
+
+    The module concatenates its cached frames before its input along T, pads W, H
+    (centred, zeros) and T (causal, zeros, less the cached frames) with one `F.pad`, then
+    convolves with no padding of its own. Here its input and its cached frames each take
+    the H halo of `(k_H - 1) // 2` rows per side (zeros beyond the global ends), and the
+    module's own forward runs on the two windows with its `F.pad` of H dropped: exact,
+    forward and backward, uneven and empty shards included. A conv3d that torch would run
+    on its slow path for the window runs tap by tap along T (`_FastConv3d`).
+
+    Raises:
+        HaloError: in `_apply` for another class, a dim other than 3, or a conv whose H
+            padding is not `(k_H - 1) // 2` zeros on each side with stride and dilation 1
+            along H.
+    """
+
+    def __init__(self, *, dim: int = 3) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"WanCausalConvParallel(dim={self.dim})"
+
+    @names_errors
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_rows_class(module, "WanCausalConv3d", "WanCausalConvParallel", self.dim)
+        k, pads = module.kernel_size[1], tuple(module._padding[2:4])
+        if (module.stride[1], module.dilation[1]) != (1, 1) or pads != ((k - 1) // 2,) * 2 \
+                or k % 2 == 0:
+            raise HaloError(f"WanCausalConvParallel expects an odd kernel along H padded by "
+                            f"(k - 1) // 2 on each side, stride and dilation 1, got kernel "
+                            f"{k}, H padding {pads}, stride {module.stride[1]}, dilation "
+                            f"{module.dilation[1]}")
+        spec = HaloShard(3, left=pads[0], right=pads[1], pad="zeros")
+        attach(module, resolve(module, spec, dim=3), device_mesh)
+        base = module.forward
+        assert isinstance(base, _HaloForward)
+        module.forward = _CachedRowsForward(  # the handle restores base.previous
+            module, base.annotation, base.mesh, base.saved, base.previous, overlap=False,
+            name=base.name)
+        return module
+
+
+def _check_rows_class(module: nn.Module, name: str, style: str, dim: int) -> None:
+    if type(module).__name__ != name:
+        raise HaloError(f"{style} applies to diffusers' {name}, got {type(module).__name__}")
+    if dim != 3:
+        raise HaloError(f"{style} shards H (dim 3 of (B, C, T, H, W)), got dim={dim}; "
+                        "expected dim=3 (along T, Wan runs wan_encode / wan_decode)")
+
+
+class _AttentionRowsForward(ShardedForward):
+    """`WanAttentionBlock.forward` on a `Shard(3)` DTensor: per frame, this rank's rows'
+    queries over the keys and values of every row (gathered along H)."""
+
+    def fresh(self) -> None:
+        # K/V gathers agreed by global signature: later calls issue no metadata collective
+        self.agreed: dict[Any, Any] = {}
+
+    def sharded(self, x: torch.Tensor) -> DTensor:
+        if not isinstance(x, DTensor):
+            raise HaloError(f"WanAttentionParallel needs a Shard(3) DTensor input, got "
+                            f"{type(x).__name__}")
+        m, site = self.module, _dtensor_site(x, 3)
+        local = site.local
+        b, c, t, n, w = local.shape
+        rows = n
+        if enabled_local_tensor_mode() is not None:
+            # simulated ranks: every chunk padded to the longest (the reshapes below take
+            # no per-rank length); the padding rows' outputs are dropped
+            rows = shard_sizes(site.length, site.mesh.size(site.axis))[0]
+        elif n == 0:
+            rows = 1  # a rank without rows runs one zero row (its convs refuse none)
+        y = F.pad(local, (0, 0, 0, lack(n, rows)))
+        y = m.norm(y.permute(0, 2, 1, 3, 4).reshape(b * t, c, rows, w))  # per pixel
+        # (B*T, 1, rows, W, 3C): the block's single head, tokens row by row
+        q, k, v = m.to_qkv(y).movedim(1, -1).unsqueeze(1).chunk(3, dim=-1)
+        key = (site.shape, site.placements, id(site.mesh), x.dtype, x.requires_grad,
+               torch.is_grad_enabled())
+        k, v = gather_many(tuple(t_.narrow(2, 0, n).contiguous() for t_ in (k, v)), 2,
+                           (site.mesh, site.axis), global_length=site.length,
+                           reuse=(self.agreed, key))
+        o = sdpa(q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3), None)  # (B*T, 1, N, C)
+        o = m.proj(o.squeeze(1).transpose(1, 2).reshape(b * t, c, rows, w))
+        o = o.view(b, t, c, rows, w).permute(0, 2, 1, 3, 4).narrow(3, 0, n)
+        return rewrap(o + local, site, 3, site.length)
+
+
+class WanAttentionParallel(ParallelStyle):
+    """Wan's `WanAttentionBlock` with H sharded (dim 3): each frame attends over its H*W
+    tokens (one head, no mask); this rank's rows' queries run against the keys and values
+    of every row, all-gathered along H. The block's norm (per pixel over C), its 1x1
+    `to_qkv` and `proj` run on this rank's rows, as the block's own forward uses them.
+    Exact, forward and backward (the gather's backward reduce-scatters dK and dV); memory:
+    every rank holds one chunk's full K and V (`2 * B * T * H * W * C`).
+
+    Raises:
+        HaloError: in `_apply` for another class or a dim other than 3; at run time for a
+            plain tensor input.
+    """
+
+    def __init__(self, *, dim: int = 3) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"WanAttentionParallel(dim={self.dim})"
+
+    @names_errors
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_rows_class(module, "WanAttentionBlock", "WanAttentionParallel", self.dim)
+        install(module, _AttentionRowsForward(module, 3, device_mesh))
+        return module

@@ -16,10 +16,11 @@ tests/test_diffusers.py):
   and its resnets, `ReplicatedArgsParallel`), and 0.9.5/0.9.7's encoder downsamplers
   (`LTXDownsamplerParallel`, `haloshard.integrations._ltx`); noise injection raises
   `HaloError`.
-- `AutoencoderKLWan` (Wan 2.1): `wan_encoder_plan(vae)` with `wan_encode(vae, x)`, and
-  `wan_decoder_plan(vae)` with `wan_decode(vae, z)` (`haloshard.integrations._wan`,
+- `AutoencoderKLWan` (Wan 2.1): on T, `wan_encoder_plan(vae)` with `wan_encode(vae, x)`,
+  and `wan_decoder_plan(vae)` with `wan_decode(vae, z)` (`haloshard.integrations._wan`,
   re-exported here) give exactly `vae._encode`'s chunk loop (T = 1 + 4k) and `vae._decode`'s
-  frame loop; `plan_for` refers Wan models there.
+  frame loop; on H, `plan_for(vae, dims=(3,))` runs those loops themselves (the public
+  `encode` / `decode`, unchanged) on each rank's rows.
 
 Each plan checks every layer by class, with or without parameters: a class it does not know
 raises `HaloError` naming the layer by fqn, rather than being left to DTensor's default
@@ -41,11 +42,15 @@ slicing, framewise encoding or decoding). The styles that only these models need
   T per pixel, and depth-to-space along T.
 - `LTXUpsamplerParallel`: a conv before depth-to-space along T, on windows with its reach.
 
-`plan_for(module, dims=(3,))` shards H instead (every model above but Wan), and
-`dims=(2, 3)` T and H at once on a `(t, h)` mesh (HunyuanVideo, Mochi, LTX-Video); the
-styles above then take `dim=3`, or a stencil along H beside their T one
-(`RepeatConvStencil`, `ConvRepeatStencil`). A layer that cannot be sharded on the dims
-asked for raises `HaloError` naming it when the plan is built.
+`plan_for(module, dims=(3,))` shards H instead (every model above), and `dims=(2, 3)` T
+and H at once on a `(t, h)` mesh (HunyuanVideo, Mochi, LTX-Video); the styles above then
+take `dim=3`, or a stencil along H beside their T one (`RepeatConvStencil`,
+`ConvRepeatStencil`). With H sharded, T is whole on every rank, so the models' own frame
+loops (CogVideoX's frame batches, Wan's chunks with their feature caches) run unchanged;
+Wan's causal convs take their H halo for their cached frames too
+(`WanCausalConvParallel`), and its per-frame attention gathers K and V along H
+(`WanAttentionParallel`). A layer that cannot be sharded on the dims asked for raises
+`HaloError` naming it when the plan is built.
 
 diffusers is imported only when a function here is called.
 """
@@ -66,7 +71,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from haloshard import _comm, _segments
+from haloshard import _comm, _dtensor_ops, _segments
 from haloshard._attention import gather_many
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
@@ -104,6 +109,8 @@ from haloshard.integrations._ltx import LTXDownsamplerParallel, SpaceToDepthSten
 from haloshard.integrations._mochi import mochi_decode
 from haloshard.integrations._wan import (
     CachedUpStencil,
+    WanAttentionParallel,
+    WanCausalConvParallel,
     cached_resample,
     wan_decode,
     wan_decoder_plan,
@@ -122,6 +129,8 @@ __all__ = [
     "wan_decode",
     "cached_resample",
     "CachedUpStencil",
+    "WanCausalConvParallel",
+    "WanAttentionParallel",
     "HunyuanMidBlockParallel",
     "HunyuanUpsampleParallel",
     "CogSpatialNormParallel",
@@ -1314,6 +1323,12 @@ _LTX: dict[str, _Rule] = {
     "PixArtAlphaCombinedTimestepSizeEmbeddings": (lambda m: None, True),
 }
 
+_WAN_NAMES = ("AutoencoderKLWan", "WanEncoder3d", "WanDecoder3d")
+# the loops' containers: each calls its children with the feature cache and adds residuals
+_WAN: dict[str, _Rule] = {
+    **_passing("WanEncoder3d", "WanDecoder3d", "WanResidualBlock", "WanMidBlock",
+               "WanUpBlock")}
+
 _PLANS: dict[str, dict[str, _Rule]] = {
     "AutoencoderKLLTXVideo": _LTX,
     "LTXVideoEncoder3d": _LTX,
@@ -1327,6 +1342,10 @@ _PLANS: dict[str, dict[str, _Rule]] = {
     "AutoencoderKLHunyuanVideo": _HUNYUAN,
     "HunyuanVideoEncoder3D": _HUNYUAN,
     "HunyuanVideoDecoder3D": _HUNYUAN,
+    # Wan: planned on H only (`plan_for` refers T to wan_encoder_plan / wan_decoder_plan)
+    "AutoencoderKLWan": _WAN,
+    "WanEncoder3d": _WAN,
+    "WanDecoder3d": _WAN,
 }
 
 
@@ -1520,6 +1539,87 @@ def _family(names: tuple[str, ...], rules: dict[str, _Rule]) -> _Along:
     return dict.fromkeys(names, rules)
 
 
+# ---------------------------------------------------------------- Wan 2.1 on H
+def _wan_config(module: nn.Module) -> None:
+    """Wan 2.1 only: Wan 2.2's patchify folds rows into channels, and its residual blocks'
+    shortcuts (`AvgDown3D`, `DupUp3D`) fold them too."""
+    config = module.config
+    if config.patch_size is not None or config.is_residual:
+        raise HaloError(f"AutoencoderKLWan with patch_size={config.patch_size}, is_residual="
+                        f"{config.is_residual} (Wan 2.2) folds rows into channels; planned on "
+                        "H with Wan 2.1's patch_size=None, is_residual=False only")
+
+
+def _wan_rows_conv(module: nn.Module) -> ParallelStyle:
+    """Wan's causal conv with H sharded: a 1x1x1 conv (shortcuts, quant convs) per row;
+    any other takes its H halo, for its cached frames too."""
+    if all(k == 1 for k in module.kernel_size) and not any(module._padding):
+        return LocalParallel(dim=3)
+    return WanCausalConvParallel()
+
+
+def _wan_rows_norm(module: nn.Module) -> ParallelStyle:
+    if not module.channel_first:
+        raise HaloError("WanRMS_norm with channel_first=False normalizes over the last dim "
+                        "(W of (B, C, T, H, W)); planned on H with channel_first=True only")
+    return LocalParallel(dim=3)  # F.normalize over C: per pixel
+
+
+def _wan_rows_resample(module: nn.Module) -> dict[str, ParallelStyle]:
+    """`WanResample` with H sharded runs its own forward (the loop's cache protocol, its
+    reshapes) on the `Shard(3)` DTensor; its `time_conv` (per pixel along T, with the
+    cache) takes `WanCausalConvParallel`, and its spatial `resample` (per frame: `(B*T, C,
+    H, W)`, H at dim 2) runs unedited on a window of rows. Up: nearest x2 then a 3x3 conv
+    with zero padding 1 (`RepeatConvStencil`); down: one zero row at the end, then a 3x3
+    conv of stride 2. The window is taken right before the spatial layers: rows beyond
+    the global ends are zeros there, as the conv's own padding (the time_conv's bias
+    would not keep them zero)."""
+    mode, seq = module.mode, module.resample
+    if mode in ("upsample2d", "upsample3d"):
+        up, conv = seq[0], seq[1]
+        ok = (tuple(up.scale_factor) == (2.0, 2.0) and up.mode == "nearest-exact"
+              and _conv2d_is(conv, 3, 1, 1))
+        stencil: Any = RepeatConvStencil(2, 1, pad="zeros")
+    elif mode in ("downsample2d", "downsample3d"):
+        pad, conv = seq[0], seq[1]
+        ok = (isinstance(pad, nn.ZeroPad2d) and tuple(pad.padding) == (0, 1, 0, 1)
+              and _conv2d_is(conv, 3, 2, 0))
+        stencil = ConvStencil(span=3, stride=2, pad_right=1)
+    else:
+        raise HaloError(f"WanResample with mode {mode!r} is not planned on H; expected "
+                        "upsample2d, upsample3d, downsample2d or downsample3d")
+    if not ok:
+        raise HaloError(f"WanResample ({mode}) along H expects diffusers 0.42.1's layers "
+                        f"(nearest-exact x2 and a 3x3 conv of padding 1 up; ZeroPad2d((0, 1, "
+                        f"0, 1)) and a 3x3 conv of stride 2 down), got {list(seq)}")
+    styles: dict[str, ParallelStyle] = {"resample": HaloParallel(stencil, dim=2)}
+    if mode.endswith("3d"):
+        styles["time_conv"] = WanCausalConvParallel()
+    return styles
+
+
+def _conv2d_is(conv: nn.Module, kernel: int, stride: int, padding: int) -> bool:
+    return (isinstance(conv, nn.Conv2d) and conv.padding_mode == "zeros"
+            and tuple(conv.kernel_size) == (kernel, kernel) and conv.stride[0] == stride
+            and conv.padding[0] == padding and conv.dilation[0] == 1)
+
+
+def _wan22(module: nn.Module) -> None:
+    raise HaloError(f"{type(module).__name__} (Wan 2.2's residual blocks) folds rows into "
+                    "channels in its shortcut; planned on H with Wan 2.1 only")
+
+
+_WAN_ROWS: dict[str, _Rule] = {
+    "AutoencoderKLWan": (_wan_config, False),
+    "WanCausalConv3d": (_wan_rows_conv, True),
+    "WanRMS_norm": (_wan_rows_norm, True),
+    "WanAttentionBlock": (lambda m: WanAttentionParallel(), True),
+    "WanResample": (_wan_rows_resample, True),
+    **{name: (_wan22, True) for name in ("WanResidualDownBlock", "WanResidualUpBlock",
+                                         "AvgDown3D", "DupUp3D")},
+}
+
+
 _HUNYUAN_NAMES = ("AutoencoderKLHunyuanVideo", "HunyuanVideoEncoder3D",
                   "HunyuanVideoDecoder3D")
 _MOCHI_NAMES = ("AutoencoderKLMochi", "MochiEncoder3D", "MochiDecoder3D")
@@ -1528,7 +1628,8 @@ _ALONG: dict[tuple[int, ...], _Along] = {
     (3,): {**_family(_HUNYUAN_NAMES, _HUNYUAN_ROWS), **_family(_LTX_NAMES, _LTX_ROWS),
            **_family(_MOCHI_NAMES, _MOCHI_ROWS),
            **_family(("AutoencoderKLCogVideoX", "CogVideoXEncoder3D", "CogVideoXDecoder3D"),
-                     _COGVIDEOX_ROWS)},
+                     _COGVIDEOX_ROWS),
+           **_family(_WAN_NAMES, _WAN_ROWS)},
     (2, 3): {**_family(_HUNYUAN_NAMES, _HUNYUAN_TIME_ROWS),
              **_family(_LTX_NAMES, _LTX_TIME_ROWS),
              **_family(_MOCHI_NAMES, _MOCHI_TIME_ROWS)},
@@ -1541,6 +1642,21 @@ def _check_dims(dims: Any) -> tuple[int, ...]:
         raise HaloError(f"plan_for takes dims=(2,) (T), (3,) (H) or (2, 3) (T and H on a "
                         f"(t, h) mesh), got dims={dims!r}")
     return got  # type: ignore[return-value]
+
+
+def _check_wan_dims(name: str, dims: tuple[int, ...]) -> None:
+    """Wan's encode and decode are chunk loops along T with a feature cache: on H they run
+    unchanged; on T they are `wan_encode` / `wan_decode` with their own plans."""
+    if name not in _WAN_NAMES or dims == (3,):
+        return
+    if dims == (2,):
+        raise HaloError(f"{name}: Wan's encode and decode are chunk loops along T with a "
+                        "feature cache; use wan_encoder_plan(vae) with wan_encode(vae, x), "
+                        "and wan_decoder_plan(vae) with wan_decode(vae, z), to shard T, or "
+                        "plan_for(vae, dims=(3,)) to shard H (the public calls unchanged)")
+    raise HaloError(f"{name} cannot be planned on dims {dims}: Wan's encode and decode "
+                    "loops walk T one chunk at a time, so T cannot be sharded under them; "
+                    "expected dims=(3,) (H)")
 
 
 def _rules_along(name: str, dims: tuple[int, ...]) -> dict[str, _Rule]:
@@ -1606,18 +1722,20 @@ def plan_for(module: nn.Module, *, dims: tuple[int, ...] = (2,)
     encoding or decoding: HunyuanVideo's default) must be off. An `.encoder` or `.decoder`
     planned alone is for calling directly: only `plan_for(vae)` sees those switches.
 
-    `dims` picks the sharded dims of `(B, C, T, H, W)`: `(2,)` T (every model); `(3,)` H
-    (HunyuanVideo, CogVideoX with its own `_encode` / `_decode` frame-batch loops, Mochi,
-    LTX-Video with `patch_size=1`), applied on a 1-D mesh with the input `Shard(3)`;
-    `(2, 3)` T and H at once (HunyuanVideo, Mochi, LTX-Video with `patch_size=1` and no
-    timestep conditioning), applied on the `t` axis of a `(t, h)` mesh
-    (`parallelize_module(vae, mesh["t"], plan)`) with the input `[Shard(2), Shard(3)]`. A
-    layer that cannot be sharded on `dims` raises `HaloError` naming it and the dims when
-    the plan is built (on T and H: CogVideoX's layers).
+    `dims` picks the sharded dims of `(B, C, T, H, W)`: `(2,)` T (every model but Wan,
+    whose T plans are `wan_encoder_plan` / `wan_decoder_plan`); `(3,)` H (HunyuanVideo,
+    CogVideoX and Wan 2.1 through their public `encode` / `decode`, whose frame loops and
+    caches run unchanged on each rank's rows; Mochi; LTX-Video with `patch_size=1`),
+    applied on a 1-D mesh with the input `Shard(3)`; `(2, 3)` T and H at once
+    (HunyuanVideo, Mochi, LTX-Video with `patch_size=1` and no timestep conditioning),
+    applied on the `t` axis of a `(t, h)` mesh (`parallelize_module(vae, mesh["t"],
+    plan)`) with the input `[Shard(2), Shard(3)]`. A layer that cannot be sharded on `dims`
+    raises `HaloError` naming it and the dims when the plan is built (on T and H:
+    CogVideoX's layers; Wan, whose loops walk T; Wan 2.2's residual blocks on H).
 
     Args:
-        module: `AutoencoderKLHunyuanVideo`, `AutoencoderKLCogVideoX`, `AutoencoderKLMochi`
-            or `AutoencoderKLLTXVideo`, or its `.encoder` / `.decoder`.
+        module: `AutoencoderKLHunyuanVideo`, `AutoencoderKLCogVideoX`, `AutoencoderKLMochi`,
+            `AutoencoderKLLTXVideo` or `AutoencoderKLWan`, or its `.encoder` / `.decoder`.
         dims: `(2,)`, `(3,)` or `(2, 3)`.
 
     Returns:
@@ -1633,13 +1751,13 @@ def plan_for(module: nn.Module, *, dims: tuple[int, ...] = (2,)
         parallelize_module(vae.decoder, mesh, plan)
         vae.decoder(distribute_tensor(z, mesh, [Shard(2)])).shape  # z: (1, 16, 5, 8, 8)
         # torch.Size([1, 3, 17, 64, 64])
+
+        parallelize_module(wan, mesh, plan_for(wan, dims=(3,)))  # Wan 2.1, on H
+        wan.decode(distribute_tensor(z, mesh, [Shard(3)])).sample.placements  # (Shard(3),)
     """
     dims = _check_dims(dims)
     rules = _PLANS.get(type(module).__name__)
-    if type(module).__name__ in ("AutoencoderKLWan", "WanEncoder3d", "WanDecoder3d"):
-        raise HaloError(f"{type(module).__name__}: Wan's encode and decode are chunk loops "
-                        "with a feature cache; use wan_encoder_plan(vae) with wan_encode(vae, "
-                        "x), and wan_decoder_plan(vae) with wan_decode(vae, z)")
+    _check_wan_dims(type(module).__name__, dims)
     if rules is None:
         raise HaloError(f"no haloshard plan for {type(module).__name__}; supported: "
                         f"{sorted(_PLANS)} (diffusers=={DIFFUSERS_VERSION})")
@@ -1660,4 +1778,8 @@ def plan_for(module: nn.Module, *, dims: tuple[int, ...] = (2,)
             covered.append(fqn)
         elif rule[1]:  # names of children the style runs itself
             covered.extend(f"{fqn}.{child}" for child in rule[1])
+    # The public `encode` chunks its moments (`DiagonalGaussianDistribution`): the backward
+    # of that chunk needs haloshard's zero fill of unused view outputs, which a plan that
+    # builds no HaloShard (CogVideoX on H) would otherwise run without.
+    _dtensor_ops.install()
     return plan
