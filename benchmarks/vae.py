@@ -1,5 +1,5 @@
-"""`python -m benchmarks.vae`: the five diffusers video VAEs with T sharded over P ranks,
-against one device's public call and diffusers' own tiling.
+"""`python -m benchmarks.vae`: the five diffusers video VAEs with T, H or both sharded over
+P ranks, against one device's public call and diffusers' own tiling.
 
 For each model (`--models`: HunyuanVideo, CogVideoX, LTX-Video 0.9.0, a 0.9.5-style LTX
 decoder, Mochi, Wan 2.1; `benchmarks.vae_models`) at its default constructor config (random
@@ -10,9 +10,10 @@ weights; `--config tiny` for tests) and each mode (`--modes`):
 - `train`: one training step: forward of encode + decode, backward of `sum(y * g)` for a
   fixed random `g`, parameter gradients accumulated into preallocated buffers;
 
-on P = 1 (the public call itself, the reference) and P = 2, 4 (`--ranks`: the same calls
-after `parallelize_module(vae, mesh, plan)` on a `Shard(2)` DTensor, gloo on CPU; NCCL with
-`--device cuda`), after `--warmup` untimed runs, it reports per rank:
+on P = 1 (the public call itself, the reference) and P = 2, 4 (`--ranks`: the calls a user
+makes after `parallelize_module(vae, mesh, plan_for(vae, dims=dims))` on a DTensor sharded
+on `dims`, gloo on CPU; NCCL with `--device cuda`), after `--warmup` untimed runs, it
+reports per rank:
 
 - `params`: bytes of the parameters (train: and their gradients), held before the run;
 - `act`: the peak of the bytes the run allocates above what it started with (allocator
@@ -32,16 +33,26 @@ after `parallelize_module(vae, mesh, plan)` on a `Shard(2)` DTensor, gloo on CPU
 - `where` / `largest` (CPU): the op and module scopes around the allocation that reached
   the peak, and the three largest buffers live then, with where each was allocated.
 
-Tables: the busiest rank of each P, the ratios `act * P / act(P=1)` and
-`compute * P / compute(P=1)` against the targets 1.15 and 1.10 (halo slices not
-subtracted). With `--approx`, on one device: `enable_tiling()` with two spatial tiles per
-axis (stride half the clip's side, tiles a quarter of a stride longer: smaller than the
-clip, so tiling happens), and temporal tiles of half the clip where the model has them
-(HunyuanVideo: its default; LTX), for decode and encode: time, peak, and the error against
-the exact result (max abs, PSNR over the exact result's range).
+`--dims` picks the sharded dims: `2` (T, the default: a 1-D mesh, input `Shard(2)`), `3`
+(H: `plan_for(vae, dims=(3,))`, a 1-D mesh, input `Shard(3)`; every model runs its own
+public call, frame loops included, on every rank) or `2 3` (T and H: `plan_for(vae,
+dims=(2, 3))` applied on the `t` axis of a `(t, h)` mesh of P/2 x 2, input
+`[Shard(2), Shard(3)]`; P >= 4 even). Repeat the flag to run several settings against one
+reference run. A model whose plan refuses the dims (`HaloError`, asked on the meta device
+before any world starts) gets a `refused: <message>` row instead of a run. With T sharded,
+the public calls that are frame loops or gather the video are replaced by what
+docs/diffusers.md says to call: `cogvideox_*`, `wan_*`, `mochi_decode`.
+
+Tables, one per mode and dims setting: the busiest rank of each P, the ratios
+`act * P / act(P=1)` and `compute * P / compute(P=1)` against the targets 1.15 and 1.10
+(halo slices not subtracted). With `--approx`, on one device: `enable_tiling()` with two
+spatial tiles per axis (stride half the clip's side, tiles a quarter of a stride longer:
+smaller than the clip, so tiling happens), and temporal tiles of half the clip where the
+model has them (HunyuanVideo: its default; LTX), for decode and encode: time, peak, and the
+error against the exact result (max abs, PSNR over the exact result's range).
 
     python -m benchmarks.vae --models hunyuan wan --modes decode train --ranks 1 2 4 \\
-        --latent-frames 16 --size 128 --approx --out results.json
+        --latent-frames 16 --size 128 --dims 2 --dims 3 --approx --out results.json
 """
 
 from __future__ import annotations
