@@ -710,6 +710,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--dims takes 2 (T), 3 (H) or 2 3 (T and H), got {dims}")
         if len(dims) > 1 and args.device == "cuda":
             parser.error("--dims 2 3 runs on CPU (gloo) only; on CUDA shard one dim")
+        if len(dims) > 1 and not any(p >= 4 and p % 2 == 0 for p in args.ranks):
+            parser.error(f"--dims 2 3 needs an even P >= 4 in --ranks (a (t, h) mesh of "
+                         f"P/2 x 2), got --ranks {args.ranks}")
     return args
 
 
