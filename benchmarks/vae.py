@@ -1,5 +1,5 @@
-"""`python -m benchmarks.vae`: the five diffusers video VAEs with T sharded over P ranks,
-against one device's public call and diffusers' own tiling.
+"""`python -m benchmarks.vae`: the five diffusers video VAEs with T, H or both sharded over
+P ranks, against one device's public call and diffusers' own tiling.
 
 For each model (`--models`: HunyuanVideo, CogVideoX, LTX-Video 0.9.0, a 0.9.5-style LTX
 decoder, Mochi, Wan 2.1; `benchmarks.vae_models`) at its default constructor config (random
@@ -10,9 +10,10 @@ weights; `--config tiny` for tests) and each mode (`--modes`):
 - `train`: one training step: forward of encode + decode, backward of `sum(y * g)` for a
   fixed random `g`, parameter gradients accumulated into preallocated buffers;
 
-on P = 1 (the public call itself, the reference) and P = 2, 4 (`--ranks`: the same calls
-after `parallelize_module(vae, mesh, plan)` on a `Shard(2)` DTensor, gloo on CPU; NCCL with
-`--device cuda`), after `--warmup` untimed runs, it reports per rank:
+on P = 1 (the public call itself, the reference) and P = 2, 4 (`--ranks`: the calls a user
+makes after `parallelize_module(vae, mesh, plan_for(vae, dims=dims))` on a DTensor sharded
+on `dims`, gloo on CPU; NCCL with `--device cuda`), after `--warmup` untimed runs, it
+reports per rank:
 
 - `params`: bytes of the parameters (train: and their gradients), held before the run;
 - `act`: the peak of the bytes the run allocates above what it started with (allocator
@@ -32,16 +33,26 @@ after `parallelize_module(vae, mesh, plan)` on a `Shard(2)` DTensor, gloo on CPU
 - `where` / `largest` (CPU): the op and module scopes around the allocation that reached
   the peak, and the three largest buffers live then, with where each was allocated.
 
-Tables: the busiest rank of each P, the ratios `act * P / act(P=1)` and
-`compute * P / compute(P=1)` against the targets 1.15 and 1.10 (halo slices not
-subtracted). With `--approx`, on one device: `enable_tiling()` with two spatial tiles per
-axis (stride half the clip's side, tiles a quarter of a stride longer: smaller than the
-clip, so tiling happens), and temporal tiles of half the clip where the model has them
-(HunyuanVideo: its default; LTX), for decode and encode: time, peak, and the error against
-the exact result (max abs, PSNR over the exact result's range).
+`--dims` picks the sharded dims: `2` (T, the default: a 1-D mesh, input `Shard(2)`), `3`
+(H: `plan_for(vae, dims=(3,))`, a 1-D mesh, input `Shard(3)`; every model runs its own
+public call, frame loops included, on every rank) or `2 3` (T and H: `plan_for(vae,
+dims=(2, 3))` applied on the `t` axis of a `(t, h)` mesh of P/2 x 2, input
+`[Shard(2), Shard(3)]`; P >= 4 even). Repeat the flag to run several settings against one
+reference run. A model whose plan refuses the dims (`HaloError`, asked on the meta device
+before any world starts) gets a `refused: <message>` row instead of a run. With T sharded,
+the public calls that are frame loops or gather the video are replaced by what
+docs/diffusers.md says to call: `cogvideox_*`, `wan_*`, `mochi_decode`.
+
+Tables, one per mode and dims setting: the busiest rank of each P, the ratios
+`act * P / act(P=1)` and `compute * P / compute(P=1)` against the targets 1.15 and 1.10
+(halo slices not subtracted). With `--approx`, on one device: `enable_tiling()` with two
+spatial tiles per axis (stride half the clip's side, tiles a quarter of a stride longer:
+smaller than the clip, so tiling happens), and temporal tiles of half the clip where the
+model has them (HunyuanVideo: its default; LTX), for decode and encode: time, peak, and the
+error against the exact result (max abs, PSNR over the exact result's range).
 
     python -m benchmarks.vae --models hunyuan wan --modes decode train --ranks 1 2 4 \\
-        --latent-frames 16 --size 128 --approx --out results.json
+        --latent-frames 16 --size 128 --dims 2 --dims 3 --approx --out results.json
 """
 
 from __future__ import annotations
@@ -56,7 +67,7 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -67,7 +78,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from benchmarks import steady_allocator, vae_models
-from haloshard import reduce_grads
+from haloshard import HaloError, reduce_grads
 from haloshard.testing import GlooWorld, seeded_randn, shard, worker_mesh
 
 MODES = ("decode", "encode", "train")
@@ -257,53 +268,76 @@ def bytes_sent() -> Iterator[dict[str, float]]:
 
 
 # ---------------------------------------------------------------- one rank
-_CACHE: dict[str, Any] = {}
+_CACHE: dict[Any, Any] = {}
+# the sharded dims of (B, C, T, H, W) -> the mesh axes' names (one axis per dim)
+_AXES: dict[tuple[int, ...], tuple[str, ...]] = {(2,): ("t",), (3,): ("h",), (2, 3): ("t", "h")}
 
 
-def _mesh(device: str) -> DeviceMesh:
+def _mesh(device: str, dims: tuple[int, ...] = (2,)) -> DeviceMesh:
+    """The world as a mesh with one axis per sharded dim: 1-D, or `(t, h)` of P/2 x 2."""
     world = dist.get_world_size()
+    shape = (world,) if len(dims) == 1 else (world // 2, 2)
     if device != "cuda":
-        return worker_mesh(world)
-    if "mesh" not in _CACHE:
+        return worker_mesh(shape, mesh_dim_names=_AXES[dims])
+    if ("mesh", dims) not in _CACHE:
         # NCCL for CUDA tensors beside gloo for CPU ones (haloshard's metadata rows)
+        assert len(dims) == 1, "main() refuses two sharded dims on CUDA"
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-        _CACHE["mesh"] = DeviceMesh.from_group(
-            dist.new_group(backend="cpu:gloo,cuda:nccl"), "cuda")
-    return _CACHE["mesh"]
+        _CACHE["mesh", dims] = DeviceMesh.from_group(
+            dist.new_group(backend="cpu:gloo,cuda:nccl"), "cuda", mesh_dim_names=_AXES[dims])
+    return _CACHE["mesh", dims]
 
 
-def _model(name: str, config: str, device: str) -> nn.Module:
-    """The VAE, built once per world (parallelized when P > 1); the previous one freed."""
-    key = (name, config, device)
+def _coords(device: str, dims: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """This rank's `(dim, ranks along it, its rank along it)` per sharded dim (P = 1: none)."""
+    if dist.get_world_size() == 1:
+        return []
+    mesh = _mesh(device, dims)
+    return [(dim, mesh.size(i), mesh.get_local_rank(i)) for i, dim in enumerate(dims)]
+
+
+def _shard_of(full: torch.Tensor, coords: list[tuple[int, int, int]]) -> torch.Tensor:
+    """This rank's chunk of a global tensor (torch.chunk's split along every sharded dim)."""
+    for dim, n, rank in coords:
+        full = shard(full, dim, n, rank)
+    return full
+
+
+def _model(name: str, config: str, device: str, dims: tuple[int, ...]) -> nn.Module:
+    """The VAE, built once per world and dims (parallelized when P > 1: `plan_for(vae,
+    dims=dims)` on the mesh's first axis, T's where T is sharded); the previous one freed."""
+    key = (name, config, device, dims)
     if _CACHE.get("key") != key:
         _CACHE.pop("vae", None)
         gc.collect()
-        mesh = _mesh(device) if dist.get_world_size() > 1 else None  # sets the GPU
+        mesh = _mesh(device, dims) if dist.get_world_size() > 1 else None  # sets the GPU
         vae = vae_models.build(name, config).to(device)
         if mesh is not None:
-            parallelize_module(vae, mesh, vae_models.plan(vae))
+            parallelize_module(vae, mesh[_AXES[dims][0]], vae_models.plan(vae, dims))
         _CACHE["key"], _CACHE["vae"] = key, vae
     return _CACHE["vae"]
 
 
-def _sharded(full: torch.Tensor, device: str, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's input: the full tensor (P = 1) or a `Shard(2)` DTensor, and its leaf."""
-    world = dist.get_world_size()
-    local = shard(full, 2, world, dist.get_rank()).clone().requires_grad_(grad)
-    if world == 1:
+def _sharded(full: torch.Tensor, device: str, grad: bool, dims: tuple[int, ...]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's input: the full tensor (P = 1) or a DTensor sharded on `dims`, and its
+    leaf."""
+    local = _shard_of(full, _coords(device, dims)).clone().requires_grad_(grad)
+    if dist.get_world_size() == 1:
         return local, local
-    return DTensor.from_local(local, _mesh(device), [Shard(2)], shape=full.shape,
-                              stride=full.stride()), local
+    return DTensor.from_local(local, _mesh(device, dims), [Shard(d) for d in dims],
+                              shape=full.shape, stride=full.stride()), local
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank's shard along T. A public call that ends in a slice along T (Mochi drops
-    its first frames) returns a `Replicate` DTensor (DTensor all-gathered it): the rank
-    keeps its `Shard(2)` chunk, as a user would, differentiably."""
+def _local(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """The rank's shard on `dims`. A public call that ends in a slice along a sharded dim
+    (Mochi's decode drops its first frames) returns a `Replicate` DTensor there (DTensor
+    gathered it): the rank keeps its chunk, as a user would, differentiably."""
     if not isinstance(t, DTensor):
         return t
-    if t.placements != (Shard(2),):
-        t = t.redistribute(t.device_mesh, [Shard(2)])
+    want = tuple(Shard(d) for d in dims)
+    if t.placements != want:
+        t = t.redistribute(t.device_mesh, want)
     return t.to_local()
 
 
@@ -312,40 +346,47 @@ class _Run:
 
     def __init__(self, job: dict[str, Any]) -> None:
         self.job, self.name, self.mode = job, job["name"], job["mode"]
-        self.device = job["device"]
-        self.vae = _model(self.name, job["config"], self.device)
+        self.device, self.dims = job["device"], tuple(job["dims"])
+        self.vae = _model(self.name, job["config"], self.device, self.dims)
+        self.coords = _coords(self.device, self.dims)
         video, latent = vae_models.shapes(self.name, job["config"], job["frames"], job["size"])
         if self.mode == "decode":
             shape = (1, vae_models.latent_channels(self.vae), *latent)
             self.full = seeded_randn(shape, 1, torch.float32).to(self.device)
         else:
             self.full = seeded_randn(video, 1, torch.float32).to(self.device)
-        self.x, self.leaf = _sharded(self.full, self.device, self.mode == "train")
+        self.x, self.leaf = _sharded(self.full, self.device, self.mode == "train", self.dims)
         self.upstream: torch.Tensor | None = None
         if self.mode == "train":
             for p in self.vae.parameters():
                 p.grad = torch.zeros_like(p)
 
     def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the latent, the output) as local tensors."""
-        one = dist.get_world_size() == 1
-        enc = vae_models.encode if one else vae_models.sharded_encode
-        dec = vae_models.decode if one else vae_models.sharded_decode
+        """(the latent, the output): DTensors on P > 1, the public calls' on P = 1."""
+        if dist.get_world_size() == 1:
+            enc, dec = vae_models.encode, vae_models.decode
+        else:
+            def enc(name: str, vae: nn.Module, x: torch.Tensor) -> torch.Tensor:
+                return vae_models.sharded_encode(name, vae, x, self.dims)
+
+            def dec(name: str, vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
+                return vae_models.sharded_decode(name, vae, z, self.dims)
         if self.mode == "decode":
-            return _local(self.x), _local(dec(self.name, self.vae, self.x))
-        if self.mode == "encode":
-            z = enc(self.name, self.vae, self.x)
-            return _local(z), _local(z)
-        z = vae_models.training_encode(self.name, self.vae, self.x)
-        return _local(z), _local(dec(self.name, self.vae, z))
+            return self.x, dec(self.name, self.vae, self.x)
+        z = enc(self.name, self.vae, self.x)
+        return (z, z) if self.mode == "encode" else (z, dec(self.name, self.vae, z))
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the latent, the output) as this rank's local shards."""
         if self.mode != "train":
             with torch.no_grad():
-                return self.forward()
+                z, y = self.forward()
+                return _local(z, self.dims), _local(y, self.dims)
         z, y = self.forward()
+        shape = y.shape  # the global shape of a DTensor
+        z, y = _local(z, self.dims), _local(y, self.dims)
         if self.upstream is None:
-            self.upstream = _upstream(y)
+            self.upstream = _upstream(y, shape, self.coords)
         (y * self.upstream).sum().backward()
         return z.detach(), y.detach()
 
@@ -361,16 +402,22 @@ class _Run:
             p.grad = None
 
 
-def _upstream(y: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a fixed random upstream gradient: global frame t drawn from
-    seed 1000 + t, so no rank builds the whole (with no warm-up run, each P then allocates
-    its own shard inside the measured run alike)."""
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(lengths, torch.tensor([y.shape[2]]))
-    start = int(sum(t.item() for t in lengths[: dist.get_rank()]))
-    frame = (*y.shape[:2], *y.shape[3:])
-    frames = [seeded_randn(frame, 1000 + start + t, y.dtype) for t in range(y.shape[2])]
-    return torch.stack(frames, 2).to(y.device) if frames else torch.zeros_like(y)
+def _upstream(y: torch.Tensor, shape: torch.Size, coords: list[tuple[int, int, int]]
+              ) -> torch.Tensor:
+    """This rank's shard of a fixed random upstream gradient of global shape `shape`:
+    global frame t drawn whole from seed 1000 + t, then cut to the rank's rows, so no rank
+    builds the whole video (with no warm-up run, each P then allocates its own shard
+    inside the measured run alike)."""
+    frames = torch.arange(shape[2])
+    rows = [(d - 1, n, r) for d, n, r in coords if d != 2]  # dims of one frame (B, C, H, W)
+    for dim, n, rank in coords:
+        if dim == 2:
+            frames = shard(frames, 0, n, rank)
+    frame = (*shape[:2], *shape[3:])
+    drawn = [_shard_of(seeded_randn(frame, 1000 + int(t), y.dtype), rows) for t in frames]
+    upstream = torch.stack(drawn, 2).to(y.device) if drawn else torch.zeros_like(y)
+    assert upstream.shape == y.shape, (upstream.shape, y.shape)
+    return upstream
 
 
 def _sync(device: str) -> None:
@@ -398,13 +445,13 @@ def rank_run(job: dict[str, Any]) -> dict[str, Any]:
     one-device result (P = 1: writes that result to `job["ref_dir"]`)."""
     torch.manual_seed(0)
     run = _Run(job)
-    for _ in range(job["warmup"]):
+    for _ in range(job["warmup"] if dist.get_world_size() > 1 else job["ref_warmup"]):
         run.run()
         run.zero_grads()
     (z, y), row = _measure(run.run, run.device, run.vae)
     params = sum(_nbytes(p) for p in run.vae.parameters())
     row.update(params=params * (2 if run.mode == "train" else 1),
-               latent_frames=z.shape[2], frames=run.leaf.shape[2])
+               latent_frames=z.shape[2], latent_rows=z.shape[3], frames=run.leaf.shape[2])
     path = os.path.join(job["ref_dir"], f"{job['name']}-{job['mode']}.pt")
     result = _result(run, y)
     if dist.get_world_size() == 1:
@@ -431,16 +478,18 @@ def _result(run: _Run, y: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _difference(run: _Run, mine: dict[str, torch.Tensor], path: str
                 ) -> tuple[float, float]:
-    """Largest |shard - reference| over the outputs (and the gradients: parameter
-    gradients summed over ranks first, outside the measured run), absolute and relative:
+    """Largest |shard - reference| over the outputs, the reference cut as the rank's shard
+    on every sharded dim (and the gradients: parameter gradients summed over the ranks of
+    every mesh axis first, outside the measured run), absolute and relative:
     over the largest |reference| of the same tensor, for a parameter gradient at least
     1e-3 of the largest one (some are analytically zero, as an attention key's bias, and
     hold only rounding noise on both sides)."""
     ref = torch.load(path, mmap=True, weights_only=True)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    diffs = [_diff(got, shard(ref[key], 2, world, rank)) for key, got in mine.items()]
+    diffs = [_diff(got, _shard_of(ref[key], run.coords)) for key, got in mine.items()]
     if run.mode == "train":
-        reduce_grads(run.vae, _mesh(run.device))
+        mesh = _mesh(run.device, run.dims)
+        for axis in _AXES[run.dims]:  # each rank's partial sums, over every sharded dim
+            reduce_grads(run.vae, mesh, mesh_axis=axis)
         grads = torch.load(path + ".grads", mmap=True, weights_only=True)
         params = [_diff(p.grad.cpu(), grads[n]) for n, p in run.vae.named_parameters()
                   if p.grad is not None]
@@ -532,12 +581,45 @@ def _error(got: torch.Tensor, exact: torch.Tensor) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- the driver
-def _jobs(args: argparse.Namespace, ref_dir: str) -> list[dict[str, Any]]:
-    return [{"name": name, "mode": mode, "config": args.config,
-             "frames": _frames(name, args),
-             "size": args.size, "device": args.device, "warmup": args.warmup,
-             "approx": args.approx, "ref_dir": ref_dir}
-            for name in args.models for mode in args.modes]
+def _label(dims: Sequence[int] | None) -> str:
+    """`T`, `H` or `T+H` for the sharded dims."""
+    return "+".join("TH"[d - 2] for d in dims) if dims else "none"
+
+
+def _refusal(name: str, config: str, dims: tuple[int, ...]) -> str | None:
+    """The `HaloError` the plan raises for `name` on `dims`, or None where it plans the
+    model (asked of a copy on the meta device: no weights drawn)."""
+    try:
+        with torch.device("meta"):
+            vae_models.plan(vae_models.build(name, config), dims)
+    except HaloError as exc:
+        return str(exc)
+    return None
+
+
+def _settings(args: argparse.Namespace, p: int) -> list[tuple[int, ...]]:
+    """The `--dims` settings a world of P ranks runs: none on one device (the reference);
+    T and H at once only on a `(t, h)` mesh of P/2 x 2 with P/2 >= 2."""
+    if p == 1:
+        return [()]
+    return [d for d in args.dims if len(d) == 1 or (p >= 4 and p % 2 == 0)]
+
+
+def _jobs(args: argparse.Namespace, ref_dir: str, p: int,
+          refused: dict[tuple[str, tuple[int, ...]], str]) -> list[dict[str, Any]]:
+    """One device: every model some `--dims` setting plans; P > 1: each setting's models."""
+    jobs = []
+    for dims in _settings(args, p):
+        for name in args.models:
+            skip = ((name, dims) in refused if dims
+                    else all((name, d) in refused for d in args.dims))
+            jobs += [] if skip else [
+                {"name": name, "mode": mode, "config": args.config, "dims": dims,
+                 "frames": _frames(name, args), "size": args.size, "device": args.device,
+                 "warmup": args.warmup, "ref_warmup": args.ref_warmup,
+                 "approx": args.approx, "ref_dir": ref_dir}
+                for mode in args.modes]
+    return jobs
 
 
 def _frames(name: str, args: argparse.Namespace) -> int:
@@ -547,29 +629,31 @@ def _frames(name: str, args: argparse.Namespace) -> int:
     return 1 + vae_models.MODELS[name].temporal * (args.latent_frames - 1)
 
 
-def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
-    """Every job on one world of P ranks; a job that fails is recorded (the world is
-    restarted if it timed out)."""
-    records: list[dict[str, Any]] = []
+def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float,
+               done: Callable[[dict[str, Any]], None]) -> None:
+    """Every job on one world of P ranks, each record handed to `done`; a job that fails
+    is recorded (the world is restarted if it timed out)."""
     world = GlooWorld(p, timeout=timeout, pg_timeout=timeout)
     try:
         for job in jobs:
-            record = {"model": job["name"], "mode": job["mode"], "P": p}
+            record = {"model": job["name"], "mode": job["mode"], "P": p,
+                      "dims": list(job["dims"])}
             try:
                 record["ranks"] = world.run(rank_run, job)
             except (AssertionError, TimeoutError) as exc:
                 record["error"] = str(exc)[-2000:]
                 if not world.alive:
                     world = GlooWorld(p, timeout=timeout, pg_timeout=timeout)
-            records.append(record)
-            print(_progress(record), flush=True)
+            done(record)
     finally:
         world.close(force=not world.alive)
-    return records
 
 
 def _progress(record: dict[str, Any]) -> str:
-    head = f"# {record['model']} {record['mode']} P={record['P']}:"
+    head = (f"# {record['model']} {record['mode']} P={record['P']} "
+            f"sharded {_label(record['dims'])}:")
+    if "refused" in record:
+        return f"{head} refused: {record['refused']}"
     if "error" in record:
         return f"{head} FAILED {record['error'].strip().splitlines()[-1]}"
     ranks = record["ranks"]
@@ -579,13 +663,21 @@ def _progress(record: dict[str, Any]) -> str:
             f"; peak in {top['where'] or '?'}")
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+def _dims(text: list[str]) -> tuple[int, ...]:
+    return tuple(sorted({int(d) for part in text for d in part.split(",")}))
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=sorted(vae_models.MODELS),
                         default=list(vae_models.MODELS))
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4],
                         help="P values; P = 1 (the reference) always runs")
+    parser.add_argument("--dims", nargs="+", action="append", metavar="DIM",
+                        help="the sharded dims: 2 (T, the default), 3 (H) or 2 3 (T and H on "
+                             "a (t, h) mesh of P/2 x 2); repeat the flag for several settings "
+                             "against one reference run")
     parser.add_argument("--frames", type=int, default=65,
                         help="video frames at most (each model takes 1 + k * its factor)")
     parser.add_argument("--latent-frames", type=int,
@@ -594,21 +686,59 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--config", choices=("default", "tiny"), default="default")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    parser.add_argument("--ref-warmup", type=int,
+                        help="untimed runs first on one device (default: --warmup); its "
+                             "allocations are the same at every call, only its time changes")
     parser.add_argument("--approx", action="store_true",
                         help="also diffusers' tiling and framewise runs on one device")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
-    parser.add_argument("--out", help="write every rank's numbers here (JSON)")
+    parser.add_argument("--out", help="write every rank's numbers here (JSON, after each run)")
+    return parser
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _parser()
     args = parser.parse_args(argv)
+    if args.ref_warmup is None:
+        args.ref_warmup = args.warmup
+    try:
+        args.dims = list(dict.fromkeys(_dims(d) for d in args.dims or [["2"]]))
+    except ValueError:
+        parser.error(f"--dims takes 2, 3 or 2 3, got {args.dims}")
+    for dims in args.dims:
+        if dims not in _AXES:
+            parser.error(f"--dims takes 2 (T), 3 (H) or 2 3 (T and H), got {dims}")
+        if len(dims) > 1 and args.device == "cuda":
+            parser.error("--dims 2 3 runs on CPU (gloo) only; on CUDA shard one dim")
+        if len(dims) > 1 and not any(p >= 4 and p % 2 == 0 for p in args.ranks):
+            parser.error(f"--dims 2 3 needs an even P >= 4 in --ranks (a (t, h) mesh of "
+                         f"P/2 x 2), got --ranks {args.ranks}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = _args(argv)
     steady_allocator()
     records: list[dict[str, Any]] = []
+
+    def done(record: dict[str, Any]) -> None:
+        records.append(record)
+        print(_progress(record), flush=True)
+        if args.out:  # after every run: a long matrix stopped halfway keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump({"args": vars(args), "machine": machine(args.device),
+                           "records": records}, f, indent=1)
+
+    refused = {(name, dims): text for dims in args.dims for name in args.models
+               if (text := _refusal(name, args.config, dims)) is not None}
+    for (name, dims), text in refused.items():
+        for mode in args.modes:
+            done({"model": name, "mode": mode, "P": None, "dims": list(dims),
+                  "refused": text})
     with tempfile.TemporaryDirectory(prefix="haloshard-vae-") as ref_dir:
         for p in sorted({1, *args.ranks}):
-            records += _run_world(p, _jobs(args, ref_dir), args.timeout)
+            _run_world(p, _jobs(args, ref_dir, p, refused), args.timeout, done)
     print(tables(records, args))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "machine": machine(args.device),
-                       "records": records}, f, indent=1)
     return records
 
 
@@ -622,23 +752,33 @@ def _mark(ratio: float, target: float) -> str:
     return f"{ratio:.3f} {'ok' if ratio <= target else 'MISS'}"
 
 
+def _where(row: dict[str, Any]) -> str:
+    """The op that reached the peak, in its innermost module."""
+    return " in ".join(row["where"].split(" < ")[:2]) or "?"
+
+
 def _row(record: dict[str, Any], one: dict[str, Any] | None) -> str:
+    head = f"| {record['model']} | {record['P'] or '-'} |"
+    if "refused" in record:
+        return f"{head} refused: {record['refused'][:300]} ||||||||||"
     if "error" in record:
-        error = record["error"].strip().splitlines()[-1][:120]
-        return f"| {record['model']} | {record['P']} | failed: {error} |||||||||"
+        return f"{head} failed: {record['error'].strip().splitlines()[-1][:200]} ||||||||||"
     ranks, p = record["ranks"], record["P"]
-    act, compute = max(r["act"] for r in ranks), max(r["compute"] for r in ranks)
+    top = max(ranks, key=lambda r: r["act"])
+    act, compute = top["act"], max(r["compute"] for r in ranks)
     ratios = ["", ""]
-    if one is not None and "error" not in one:
+    if one is not None and "ranks" in one:
         base_act = max(r["act"] for r in one["ranks"])
         base_compute = max(r["compute"] for r in one["ranks"])
         ratios = [_mark(act * p / base_act, 1.15) if p > 1 else "1",
                   _mark(compute * p / base_compute, 1.10) if p > 1 else "1"]
-    return (f"| {record['model']} | {p} | {min(r['latent_frames'] for r in ranks)} | "
-            f"{ranks[0]['params'] / MiB:.0f} | {act / MiB:.1f} | {ratios[0]} | "
-            f"{compute:.2f} | {ratios[1]} | {max(r['wall'] for r in ranks):.2f} | "
+    latent = min((r["latent_frames"], r.get("latent_rows", 0)) for r in ranks)
+    return (f"{head} {latent[0]}x{latent[1]} | {ranks[0]['params'] / MiB:.0f} | "
+            f"{act / MiB:.1f} | {ratios[0]} | {compute:.2f} | {ratios[1]} | "
+            f"{max(r['wall'] for r in ranks):.2f} | "
             f"{max(r['sent'] for r in ranks) / MiB:.2f} | "
-            f"{max(r['diff'] for r in ranks):.1e} ({max(r['rel'] for r in ranks):.0e}) |")
+            f"{max(r['diff'] for r in ranks):.1e} ({max(r['rel'] for r in ranks):.0e}) | "
+            f"{_where(top)} |")
 
 
 def _approx_rows(record: dict[str, Any]) -> list[str]:
@@ -655,40 +795,38 @@ def _approx_rows(record: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _peaks(records: list[dict[str, Any]]) -> list[str]:
-    """Where the busiest rank of each run peaked: the op, inside the innermost module."""
-    lines = []
-    for record in records:
-        if "error" in record:
-            continue
-        top = max(record["ranks"], key=lambda r: r["act"])
-        where = top["where"].split(" < ")[:2]
-        if where and where[0]:
-            lines.append(f"{record['model']} P={record['P']}: {' in '.join(where)}")
-    return ["", "Peaks (busiest rank): " + "; ".join(lines)] if lines else []
+_HEADER = ["| model | P | latent T x H / rank | params MiB | act MiB | act*P/one (<=1.15) | "
+           "compute s | compute*P/one (<=1.10) | wall s | MiB sent | max diff (rel) | where |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def _table(records: list[dict[str, Any]], args: argparse.Namespace, mode: str,
+           dims: tuple[int, ...]) -> list[str]:
+    """One mode with `dims` sharded: per model, one device's row, then each P's busiest
+    rank (or the plan's refusal)."""
+    lines = ["", f"{mode}, {_label(dims)} sharded:", "", *_HEADER]
+    for name in args.models:
+        mine = [r for r in records if r["model"] == name and r["mode"] == mode]
+        one = next((r for r in mine if r["P"] == 1), None)
+        lines += [_row(r, one) for r in sorted(mine, key=lambda r: r["P"] or 0)
+                  if r["P"] == 1 or tuple(r["dims"]) == dims]
+    return lines
 
 
 def tables(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    """One markdown table per mode (busiest rank per P), and one of diffusers' tiling."""
+    """One markdown table per mode and `--dims` setting (busiest rank per P), and one of
+    diffusers' tiling per mode."""
     length = (f"{args.latent_frames} latent frames" if args.latent_frames
               else f"<= {args.frames} frames")
     lines = [f"VAEs at their {args.config} configs, float32, video (1, 3, {length}, "
              f"{args.size}, {args.size}), {args.device} ({machine(args.device)}), "
              f"{time.strftime('%Y-%m-%d')}"]
-    ones = {(r["model"], r["mode"]): r for r in records if r["P"] == 1}
     for mode in args.modes:
-        lines += ["", f"{mode}:", "",
-                  "| model | P | latent T/rank | params MiB | act MiB | act*P/one (<=1.15) | "
-                  "compute s | compute*P/one (<=1.10) | wall s | MiB sent | max diff (rel) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [_row(r, ones.get((r["model"], mode)))
-                  for name in args.models for r in records
-                  if r["mode"] == mode and r["model"] == name]
-        lines += _peaks([r for name in args.models for r in records
-                         if r["mode"] == mode and r["model"] == name])
+        for dims in args.dims:
+            lines += _table(records, args, mode, dims)
         approx = [row for name in args.models for r in records
                   if r["mode"] == mode and r["model"] == name and r["P"] == 1
-                  and "error" not in r for row in _approx_rows(r)]
+                  and "ranks" in r for row in _approx_rows(r)]
         if approx:
             lines += ["", f"{mode}, diffusers' approximations on one device:", "",
                       "| model | run | compute s | exact s | act MiB | act/exact | max abs "

@@ -4,11 +4,12 @@ calls on one device beside the same calls with T sharded.
 `build(name, config)` makes a VAE with random weights (no hub): `config="default"` is the
 class's own default constructor (the released architecture; LTX-Video 0.9.5's decoder is
 its release configuration on 0.9.0's encoder, whose down blocks the plans cover), `"tiny"`
-a few channels of the same structure, for tests. `decode`, `encode` and `sharded_*` are the
-one-device public calls (`vae.decode(z).sample`, `vae.encode(x).latent_dist.mode()`) and the
-calls a user makes after `parallelize_module(vae, mesh, plan(vae))` on a `Shard(2)` DTensor:
-the same public calls, or, for the models whose public call is a frame loop (CogVideoX, Wan),
-haloshard's functions that compute that loop exactly.
+a few channels of the same structure, for tests. `decode` and `encode` are the one-device
+public calls (`vae.decode(z).sample`, `vae.encode(x).latent_dist.mode()`), `sharded_*` the
+calls a user makes after `parallelize_module(vae, mesh, plan(vae, dims))` on a DTensor
+sharded on `dims`: the same public calls (on H: every model's own frame loop), or with T
+sharded, what docs/diffusers.md says to call where the public call is a frame loop
+(CogVideoX, Wan) or gathers the video (Mochi's decode).
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from haloshard.integrations.diffusers import (
     cogvideox_decode,
     cogvideox_encode,
+    mochi_decode,
     plan_for,
     wan_decode,
     wan_decoder_plan,
@@ -117,11 +118,12 @@ def shapes(name: str, config: str, frames: int, size: int
     return (1, 3, 1 + (latent_t - 1) * model.temporal, side, side), (latent_t, pixels, pixels)
 
 
-def plan(vae: nn.Module) -> dict[str, ParallelStyle]:
-    """The whole VAE's plan (encoder and decoder)."""
-    if type(vae).__name__ == "AutoencoderKLWan":
+def plan(vae: nn.Module, dims: tuple[int, ...] = (2,)) -> dict[str, ParallelStyle]:
+    """The whole VAE's plan (encoder and decoder) on `dims` (`plan_for`'s; Wan on T: its
+    own chunk-loop plans). Raises `HaloError` where the model cannot be sharded on `dims`."""
+    if type(vae).__name__ == "AutoencoderKLWan" and dims == (2,):
         return {**wan_encoder_plan(vae), **wan_decoder_plan(vae)}
-    return plan_for(vae)
+    return plan_for(vae, dims=dims)
 
 
 def _timestep(name: str, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -139,32 +141,31 @@ def encode(name: str, vae: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return vae.encode(x).latent_dist.mode()
 
 
-def sharded_decode(name: str, vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
-    """`decode` of a parallelized VAE on a `Shard(2)` DTensor latent."""
-    if name == "cogvideox":
+def sharded_decode(name: str, vae: nn.Module, z: torch.Tensor, dims: tuple[int, ...]
+                   ) -> torch.Tensor:
+    """`decode` of a VAE parallelized on `dims`, on a latent sharded on them: the public
+    call itself, but with T sharded the calls docs/diffusers.md gives for the models whose
+    public call is a frame loop (CogVideoX, Wan) or ends in a slice along T (Mochi:
+    `mochi_decode` keeps the video sharded where the public call gathers it). With H
+    sharded alone every model's own frame loop runs on every rank."""
+    if 2 in dims and name == "cogvideox":
         return cogvideox_decode(vae, z)
-    if name == "wan":
+    if 2 in dims and name == "wan":
         return wan_decode(vae, z)
+    if 2 in dims and name == "mochi":
+        return mochi_decode(vae, z)
     return decode(name, vae, z)
 
 
-def sharded_encode(name: str, vae: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`encode` of a parallelized VAE on a `Shard(2)` DTensor video."""
-    if name in ("cogvideox", "wan"):
-        return training_encode(name, vae, x)
+def sharded_encode(name: str, vae: nn.Module, x: torch.Tensor, dims: tuple[int, ...]
+                   ) -> torch.Tensor:
+    """`encode` of a VAE parallelized on `dims`, on a video sharded on them: the public
+    call (its backward on a DTensor included), or with T sharded, for the frame loops of
+    CogVideoX and Wan, the posterior of the moments `cogvideox_encode` / `wan_encode`
+    compute (what `vae.encode` wraps `vae._encode`'s moments in)."""
+    if 2 in dims and name in ("cogvideox", "wan"):
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        moments = (cogvideox_encode if name == "cogvideox" else wan_encode)(vae, x)
+        return DiagonalGaussianDistribution(moments).mode()
     return encode(name, vae, x)
-
-
-def training_encode(name: str, vae: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The posterior mode as the first half of the moments `vae._encode(x)` (what
-    `encode(x).latent_dist.mode()` returns) on one device or, on a `Shard(2)` DTensor,
-    with T sharded. A training step takes this path: the backward of
-    `DiagonalGaussianDistribution`'s `torch.chunk` on a DTensor fills the unused half's
-    gradient with a plain tensor, and DTensor's `cat` refuses the mix (torch 2.13)."""
-    if isinstance(x, DTensor) and name == "cogvideox":
-        moments = cogvideox_encode(vae, x)
-    elif isinstance(x, DTensor) and name == "wan":
-        moments = wan_encode(vae, x)
-    else:
-        moments = vae._encode(x)
-    return moments[:, : latent_channels(vae)]
