@@ -42,16 +42,16 @@ TINY = ["--config", "tiny", "--frames", "9", "--size", "32", "--warmup", "0",
 def _check(records: list[dict[str, Any]], modes: list[str], models: list[str]) -> None:
     """One device and P = 2 on T for every model; on H, P = 2 for the models `plan_for`
     shards there and one refusal per mode for the others (LTX-Video's patch_size=4
-    encoder; Wan until its H plan lands)."""
+    encoder)."""
     on_h = {r["model"] for r in records if r["dims"] == [3] and "refused" not in r}
-    assert {"hunyuan", "cogvideox", "mochi"} <= on_h, on_h
+    assert {"hunyuan", "cogvideox", "mochi", "wan"} <= on_h, on_h
     assert {(r["model"], r["mode"], r["P"], tuple(r["dims"])) for r in records} == {
         (m, mode, p, dims) for m in models for mode in modes
         for p, dims in ((1, ()), (2, (2,)), (2 if m in on_h else None, (3,)))}
     for record in records:
         assert "error" not in record, record["error"]
         if "refused" in record:
-            assert record["model"] in ("ltx", "ltx095", "wan"), record
+            assert record["model"] in ("ltx", "ltx095"), record
             assert record["refused"], record  # the HaloError text
             continue
         for row in record["ranks"]:
@@ -79,7 +79,7 @@ def test_every_model_every_mode(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert all(row["max_abs"] > 0 and row["psnr"] < 100 for row in approx.values()), approx
     printed = capsys.readouterr().out
     for header in ("decode, T sharded:", "encode, H sharded:", "train, H sharded:",
-                   "decode, diffusers' approximations", "| wan | - | refused: "):
+                   "decode, diffusers' approximations", "| ltx | - | refused: "):
         assert header in printed
     assert json.loads(out.read_text())["records"] == json.loads(json.dumps(records))
 

@@ -34,7 +34,8 @@ from haloshard.testing import counted_collectives, per_rank, rank_map, simulated
 
 PACKAGE = pathlib.Path(_compat.__file__).parent
 # Private attributes of objects that are not torch's, each with its owner.
-NOT_TORCH = {"_gradient_checkpointing_func": "diffusers' ModelMixin"}
+NOT_TORCH = {"_gradient_checkpointing_func": "diffusers' ModelMixin",
+             "_padding": "diffusers' WanCausalConv3d"}
 
 
 def _private(name: str) -> bool:

@@ -40,6 +40,7 @@ from haloshard._compat import (
     functional_broadcast,
     maybe_run_for_local_tensor,
     reduce_scatter_single,
+    resolve_process_group,
     wait_tensor,
 )
 from haloshard._errors import HaloError, raise_rejected
@@ -426,7 +427,7 @@ def gather_ints_while_tracing(values: tuple[int, ...], group: Group,
 @runs_while_tracing
 def _gather_now(group_name: str, values: tuple[int, ...], what: str
                 ) -> tuple[tuple[int, ...], ...]:
-    group = _from_pg(dist.distributed_c10d._resolve_process_group(group_name))
+    group = _from_pg(resolve_process_group(group_name))
     rows = gather_ints(torch.tensor(values, dtype=torch.int64), group, what)
     return tuple(tuple(row) for row in rows)
 

@@ -18,6 +18,7 @@ registers itself on import, is imported by `fake_store()` when called).
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -236,3 +237,21 @@ def fake_store() -> Any:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def dtensor_op_dispatcher() -> Any:
+    """DTensor's op dispatcher (`_plan_gaps` wraps its mixed-tensor path)."""
+    return DTensor._op_dispatcher
+
+
+# `nn.Module.__call__`'s body: `_plan_gaps` finds the modules being called in Python's frames.
+MODULE_CALL_CODE = torch.nn.Module._call_impl.__code__
+
+
+def caller_frame() -> Any:
+    """The frame of the caller of the function calling this."""
+    return sys._getframe(2)
+
+
+# A process group by the name funcol and dynamo carry (`_comm`'s agreement while tracing).
+resolve_process_group = dist.distributed_c10d._resolve_process_group

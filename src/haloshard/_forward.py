@@ -263,7 +263,7 @@ def install(module: nn.Module, forward: Any, saved: dict[str, Any] | None = None
     if handle_of(module) is not None:
         raise HaloError(f"a haloshard style is already applied to {type(module).__name__}; "
                         "call its handle's remove() first")
-    watch()  # a plan's gaps are named in plain runs (see `haloshard._plan_gaps`)
+    watch(handle_of)  # a plan's gaps are named in plain runs (see `haloshard._plan_gaps`)
     forward.previous = module.__dict__.get("forward")
     forward.name = module_name(module)
     module.forward = forward

@@ -58,7 +58,6 @@ from haloshard._layout import (
     shard_size_and_offset,
     shard_sizes,
 )
-from haloshard._plan_gaps import watch
 from haloshard._redistribute import unwrap
 from haloshard._specs import (
     _CONVS,
@@ -223,7 +222,6 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
                                   and isinstance(module, DERIVABLE)),
                            name=module_name(module), local=local, known=known)
     handle = install(module, forward, saved)
-    watch()  # a plan's gaps are named in plain runs (see `haloshard._plan_gaps`)
     return handle
 
 

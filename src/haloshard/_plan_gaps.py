@@ -16,13 +16,12 @@ module hook, no cost on any op that mixes nothing.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from haloshard._compat import MODULE_CALL_CODE, caller_frame, dtensor_op_dispatcher
 from haloshard._errors import HaloError
 
 # DTensor's refusal of a plain tensor (a parameter) beside a DTensor.
@@ -44,20 +43,24 @@ def missing_entry(fqn: str, module: nn.Module, raw: str) -> str:
             f"LocalParallel() for a per-slice layer). DTensor said: {raw}")
 
 
-def watch() -> None:
-    """Wrap DTensor's mixed-tensor path (see the module docstring); idempotent."""
-    dispatcher = DTensor._op_dispatcher
+def watch(handle_of: Callable[[nn.Module], Any]) -> None:
+    """Wrap DTensor's mixed-tensor path (see the module docstring); idempotent.
+    `handle_of(module)`: the haloshard style installed on `module`, or None (passed in by
+    `_forward`, which imports this module)."""
+    dispatcher = dtensor_op_dispatcher()
     previous = getattr(dispatcher, _METHOD, None)
     if previous is not None and not getattr(previous, "haloshard_names_gaps", False):
-        setattr(dispatcher, _METHOD, _naming(previous))  # a torch without it: torch's error
+        # a torch without it: torch's error
+        setattr(dispatcher, _METHOD, _naming(previous, handle_of))
 
 
-def _naming(previous: Callable[..., Any]) -> Callable[..., Any]:
+def _naming(previous: Callable[..., Any], handle_of: Callable[[nn.Module], Any]
+            ) -> Callable[..., Any]:
     def replicate_spec(op_call: Any, tensor_arg: Any, compute_mesh: Any) -> Any:
         try:
             return previous(op_call, tensor_arg, compute_mesh)
         except RuntimeError as error:
-            message = _named(str(error))
+            message = _named(str(error), handle_of)
             if message is None:
                 raise
             raise MissingEntryError(message) from error
@@ -66,11 +69,9 @@ def _naming(previous: Callable[..., Any]) -> Callable[..., Any]:
     return replicate_spec
 
 
-def _named(raw: str) -> str | None:
+def _named(raw: str, handle_of: Callable[[nn.Module], Any]) -> str | None:
     """The missing-entry message for DTensor's refusal `raw` raised here, or None when it
     is not one inside a module of a model that carries haloshard styles."""
-    from haloshard._forward import handle_of  # the styles' module imports this one
-
     calls = _module_calls()
     if MIXED not in raw or not calls:
         return None
@@ -83,9 +84,9 @@ def _named(raw: str) -> str | None:
 
 def _module_calls() -> list[nn.Module]:
     """The modules whose `__call__` is running, innermost first (from Python's frames)."""
-    found, frame = [], sys._getframe(1)
+    found, frame = [], caller_frame()
     while frame is not None:
-        if frame.f_code is nn.Module._call_impl.__code__:
+        if frame.f_code is MODULE_CALL_CODE:
             module = frame.f_locals.get("self")
             if isinstance(module, nn.Module):
                 found.append(module)
