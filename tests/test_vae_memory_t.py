@@ -214,8 +214,11 @@ def _frame_attention_bytes(reuse: bool) -> dict[str, int]:
     kwargs = {"_reuse": (store, ("sig",))} if reuse else {}
     with torch.no_grad():
         frame_attention(q, k, v, mesh, global_length=12, **kwargs)  # agrees the site
-        peak, _ = peak_bytes(lambda: frame_attention(q, k, v, mesh, global_length=12,
-                                                     **kwargs))
+        # the least of 3 runs: gloo's own thread sometimes frees a received block late,
+        # after the next is allocated (seen at 7.1 chunks on a loaded machine, once in 3
+        # or fewer); the reverted code holds 7.1 at every run
+        peak = min(peak_bytes(lambda: frame_attention(q, k, v, mesh, global_length=12,
+                                                      **kwargs))[0] for _ in range(3))
     return {"peak": peak, "chunk": q.numel() * q.element_size()}
 
 
