@@ -221,8 +221,7 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
                            watch=(annotation.spec is None and not known
                                   and isinstance(module, DERIVABLE)),
                            name=module_name(module), local=local, known=known)
-    handle = install(module, forward, saved)
-    return handle
+    return install(module, forward, saved)
 
 
 class _HaloForward(ShardedForward):
