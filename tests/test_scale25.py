@@ -1,5 +1,11 @@
 """Issue 25 ("Real scale"), the misses left at P = 2: against one device.
 
+- LTX-Video's upsampler convolves 512 -> 4096 channels; oneDNN copies the conv's whole weight
+  (216 MiB at the default config) into its blocked layout at every call, which on a rank's
+  few frames was the decode's peak. `LTXUpsamplerParallel` now runs that conv, under
+  `torch.no_grad()`, over slices of at most `SLICE_CHANNELS` output channels: the conv is
+  never called with more (counted), and the output matches one device's.
+
 - Mochi's decode on T and H at once: `mochi_decode` drops the first frames along T with a
   hooked slice; with the video also sharded on H that slice refused ("_DropFirst got an
   input also sharded on dim 3"). Dropping frames along T reads each row alone, so the drop
@@ -22,14 +28,21 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.overrides import TorchFunctionMode
 
 from haloshard import reduce_grads
-from haloshard.integrations.diffusers import mochi_decode, plan_for
+from haloshard.integrations._ltx import SLICE_CHANNELS
+from haloshard.integrations.diffusers import LTXUpsamplerParallel, mochi_decode, plan_for
 from haloshard.testing import seeded_randn, simulated_mesh, single_device
 
 pytest.importorskip("diffusers")
 
 TOL = {"atol": 1e-10, "rtol": 1e-10}
+# float32 (oneDNN's conv, as in the benchmark): each output is a sum of 64 x 27 products
+# of O(1) values, added in the kernel's order; a slice's channels run the same sums (the
+# benchmark's run and benchmarks/README.md: bitwise equal there), while a misplaced channel
+# or frame is O(1). 1e-5 leaves room for a kernel that blocks the sums otherwise.
+TOL32 = {"atol": 1e-5, "rtol": 1e-5}
 
 
 def mochi() -> nn.Module:
@@ -101,3 +114,82 @@ def test_mochi_decode_rows_simulated() -> None:
         check_decode(mesh, vae, plan_for(vae, dims=(3,)),
                      seeded_randn((1, 4, 2, 3, 2), 1, torch.float64), [Shard(3)])
 
+
+# ---------------------------------------------------------------- LTX upsampler's conv
+class ConvCalls(TorchFunctionMode):
+    """The output channels of every `conv3d` call made under it (per call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.channels: list[int] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if func in (torch.conv3d, torch.nn.functional.conv3d):
+            self.channels.append(int(args[1].shape[0]))
+        return func(*args, **(kwargs or {}))
+
+
+def ltx_upsampler(in_channels: int) -> nn.Module:
+    from diffusers.models.autoencoders.autoencoder_kl_ltx import LTXVideoUpsampler3d
+
+    with single_device():
+        torch.manual_seed(0)
+        return LTXVideoUpsampler3d(in_channels, stride=(2, 2, 2), is_causal=False).eval()
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("dims", "shape"), [
+    ((2,), (1, 72, 5, 3, 2)),  # 3, 2 frames
+    ((3,), (1, 72, 2, 3, 2)),  # 2, 1 rows
+    ((2, 3), (1, 72, 3, 3, 2)),  # 2, 1 frames x 2, 1 rows
+])
+def test_ltx_upsampler_conv_in_slices(dims: tuple[int, ...], shape: tuple[int, ...]) -> None:
+    """Decode (`torch.no_grad()`): the upsampler's conv (72 -> 576 channels) is called on
+    at most `SLICE_CHANNELS` output channels at a time (oneDNN then copies one slice of
+    the weight, not all of it), on every rank, and the output matches one device's."""
+    up = ltx_upsampler(shape[1])
+    full = seeded_randn(shape, 1, torch.float32)
+    with single_device(), torch.no_grad():
+        want = up(full)
+    placements = [Shard(d) for d in dims]
+    mesh_shape, names = ((2, 2), ("t", "h")) if len(dims) == 2 else (2, None)
+    with simulated_mesh(mesh_shape, mesh_dim_names=names) as mesh:
+        parallelize_module(up, mesh[names[0]] if names else mesh,
+                           LTXUpsamplerParallel(dim=dims[0]))
+        with torch.no_grad(), ConvCalls() as calls:
+            y = up(distribute_tensor(full, mesh, placements))
+        assert tuple(y.placements) == tuple(placements)
+        torch.testing.assert_close(y.full_tensor(), want, **TOL32)
+    assert calls.channels and max(calls.channels) <= SLICE_CHANNELS, calls.channels
+    assert sum(calls.channels) % 576 == 0, calls.channels  # whole convs, slice by slice
+
+
+@pytest.mark.simulated
+def test_ltx_upsampler_conv_whole_with_grad() -> None:
+    """With autograd on (training) the conv runs in one call: each slice's weight gradient
+    would arrive as a zero-filled tensor of the whole weight's size. Forward and
+    gradients match one device's."""
+    up = ltx_upsampler(72)
+    full = seeded_randn((1, 72, 5, 3, 2), 1, torch.float32)
+    with single_device():
+        twin = copy.deepcopy(up)
+        x_ref = full.clone().requires_grad_()
+        y_ref = twin(x_ref)
+        gy = seeded_randn(tuple(y_ref.shape), 2, torch.float32)
+        (y_ref * gy).sum().backward()
+    with simulated_mesh(2) as mesh:
+        parallelize_module(up, mesh, LTXUpsamplerParallel())
+        x = distribute_tensor(full, mesh, [Shard(2)]).requires_grad_()
+        with ConvCalls() as calls:
+            y = up(x)
+        torch.testing.assert_close(y.full_tensor(), y_ref.detach(), **TOL32)
+        (y * distribute_tensor(gy, mesh, [Shard(2)])).sum().backward()
+        torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad, **TOL32)
+        reduce_grads(up, mesh)
+        for p, q in zip(up.parameters(), twin.parameters(), strict=True):
+            got = DTensor.from_local(p.grad, mesh, [Replicate()], run_check=False)
+            # a weight gradient sums ~10^2 products per rank, added across the 2 ranks in
+            # another order than one device's single sum
+            torch.testing.assert_close(got.full_tensor(), q.grad, atol=1e-4, rtol=1e-5)
+    assert calls.channels and min(calls.channels) == 576, calls.channels

@@ -105,7 +105,11 @@ from haloshard._norms import group_norm
 from haloshard._specs import ConvStencil, plan_windows
 from haloshard._styles import HaloParallel
 from haloshard.integrations._cogvideox import cogvideox_decode, cogvideox_encode
-from haloshard.integrations._ltx import LTXDownsamplerParallel, SpaceToDepthStencil
+from haloshard.integrations._ltx import (
+    LTXDownsamplerParallel,
+    SlicedConvRun,
+    SpaceToDepthStencil,
+)
 from haloshard.integrations._mochi import mochi_decode
 from haloshard.integrations._wan import (
     CachedUpStencil,
@@ -1154,7 +1158,8 @@ class LTXUpsamplerParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "LTXVideoUpsampler3d", "LTXUpsamplerParallel")
         if self.dim == 3:
-            attach(module, Annotation(None, 3, _ltx_rows(module)), device_mesh)
+            attach(module, Annotation(None, 3, _ltx_rows(module)), device_mesh,
+                   local=SlicedConvRun())
             return module
         _check_time_dim(self.dim, "LTXUpsamplerParallel")
         conv = module.conv
@@ -1164,7 +1169,7 @@ class LTXUpsamplerParallel(ParallelStyle):
                             f"dilation 1 along T, got {stride}, {conv.conv.dilation[0]}")
         before, after = (k - 1, 0) if conv.is_causal else ((k - 1) // 2, (k - 1) // 2)
         stencil = ConvDepthToSpaceStencil(module.stride[0], before, after)
-        attach(module, Annotation(None, self.dim, stencil), device_mesh)
+        attach(module, Annotation(None, self.dim, stencil), device_mesh, local=SlicedConvRun())
         _also_rows(module, _ltx_rows)
         return module
 
