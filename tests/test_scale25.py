@@ -5,6 +5,10 @@
   few frames was the decode's peak. `LTXUpsamplerParallel` now runs that conv, under
   `torch.no_grad()`, over slices of at most `SLICE_CHANNELS` output channels: the conv is
   never called with more (counted), and the output matches one device's.
+- GroupNorm with T sharded made six chunk-sized passes and temporaries beside the output
+  (`x - mean` and its square for the statistics; `- mean`, `* rstd`, `* weight`, `+ bias`
+  for the output), where torch's own GroupNorm makes none: the deviations are now summed
+  block by block along T and the output is one `x * a + b` (torch's own form). Counted.
 
 - Mochi's decode on T and H at once: `mochi_decode` drops the first frames along T with a
   hooked slice; with the video also sharded on H that slice refused ("_DropFirst got an
@@ -29,11 +33,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from haloshard import reduce_grads
+from haloshard import group_norm, reduce_grads
 from haloshard.integrations._ltx import SLICE_CHANNELS
 from haloshard.integrations.diffusers import LTXUpsamplerParallel, mochi_decode, plan_for
-from haloshard.testing import seeded_randn, simulated_mesh, single_device
+from haloshard.testing import (
+    assert_close_per_rank,
+    rank_map,
+    seeded_randn,
+    shard,
+    simulated_mesh,
+    single_device,
+)
 
 pytest.importorskip("diffusers")
 
@@ -193,3 +205,39 @@ def test_ltx_upsampler_conv_whole_with_grad() -> None:
             # another order than one device's single sum
             torch.testing.assert_close(got.full_tensor(), q.grad, atol=1e-4, rtol=1e-5)
     assert calls.channels and min(calls.channels) == 576, calls.channels
+
+
+# ---------------------------------------------------------------- GroupNorm's passes
+class Outputs(TorchDispatchMode):
+    """The shape of every aten op's tensor output under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+@pytest.mark.simulated
+def test_group_norm_one_chunk_sized_pass() -> None:
+    """`group_norm` on a `Shard(2)` chunk (T = 16 as 8, 8) writes one chunk-sized tensor,
+    its output (it wrote six: the deviations and their squares, then four steps of the
+    normalisation), and matches `F.group_norm` on one device."""
+    full = seeded_randn((1, 8, 16, 4, 4), 1, torch.float32) * 3 + 5  # an offset
+    weight, bias = seeded_randn((8,), 2, torch.float32), seeded_randn((8,), 3, torch.float32)
+    with single_device():
+        want = torch.nn.functional.group_norm(full, 2, weight, bias, 1e-5)
+    with simulated_mesh(2) as mesh, torch.no_grad():
+        x = rank_map(mesh, lambda r: shard(full, 2, 2, r).clone())
+        with Outputs() as outputs:
+            y = group_norm(x, 2, weight, bias, 1e-5, mesh)
+        chunk = (1, 8, 8, 4, 4)
+        assert outputs.shapes.count(chunk) == 1, outputs.shapes
+        # float32: the statistics and `x * a + b` round as torch's own kernel does, in
+        # another order (values O(1); a misplaced group or frame is O(1))
+        assert_close_per_rank(y, lambda r: shard(want, 2, 2, r), mesh, atol=1e-5, rtol=1e-5)
