@@ -9,6 +9,9 @@
   (`x - mean` and its square for the statistics; `- mean`, `* rstd`, `* weight`, `+ bias`
   for the output), where torch's own GroupNorm makes none: the deviations are now summed
   block by block along T and the output is one `x * a + b` (torch's own form). Counted.
+- Mochi's attention along T (inference) ran on slices of W, which are not contiguous, so
+  each of q, k, v's linears copied its part first; slices of rows are (batch 1). Checked
+  on the linears' inputs, and exact against one device.
 
 - Mochi's decode on T and H at once: `mochi_decode` drops the first frames along T with a
   hooked slice; with the video also sharded on H that slice refused ("_DropFirst got an
@@ -241,3 +244,38 @@ def test_group_norm_one_chunk_sized_pass() -> None:
         # float32: the statistics and `x * a + b` round as torch's own kernel does, in
         # another order (values O(1); a misplaced group or frame is O(1))
         assert_close_per_rank(y, lambda r: shard(want, 2, 2, r), mesh, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- Mochi's attention parts
+class LinearInputs(TorchFunctionMode):
+    """Whether each input of an `F.linear` of `weights` under it is contiguous (a strided
+    one is copied first)."""
+
+    def __init__(self, weights: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.weights = {id(w) for w in weights}
+        self.contiguous: list[bool] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if func is torch.nn.functional.linear and id(args[1]) in self.weights:
+            self.contiguous.append(args[0].is_contiguous())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.simulated
+def test_mochi_attention_parts_contiguous() -> None:
+    """Mochi's encoder under `torch.no_grad()` on T (2 ranks): every linear of the
+    attention along T reads a contiguous part (no copy), and the latent matches one
+    device's."""
+    vae = mochi()
+    full = seeded_randn((1, 3, 7, 32, 16), 1, torch.float64)  # 4, 3 frames
+    with single_device(), torch.no_grad():
+        want = vae.encoder(full)[0]
+    with simulated_mesh(2) as mesh:
+        parallelize_module(vae, mesh, plan_for(vae))
+        weights = [p for name, p in vae.encoder.named_parameters() if ".attentions." in name]
+        with torch.no_grad(), LinearInputs(weights) as linears:
+            got = vae.encoder(distribute_tensor(full, mesh, [Shard(2)]))[0]
+        torch.testing.assert_close(got.full_tensor(), want, **TOL)
+    assert linears.contiguous and all(linears.contiguous), linears.contiguous
