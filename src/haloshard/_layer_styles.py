@@ -138,15 +138,16 @@ class _LocalForward(ShardedForward):
             x = _equal_chunks(x, self.dim, site)
         elif isinstance(n, torch.SymInt) or n == 0:
             x = with_spare_slice(x, self.dim)
-        # the same along a second sharded dim (H): a rank may hold no row
-        spare = [d for _, d in site.others if isinstance(site.local.shape[d], int)
-                 and site.local.shape[d] == 0]
+        # the same along a second sharded dim (H): a rank may hold no row (per-rank
+        # counts, simulated: one spare row where a rank has none, cut after)
+        spare = [d for _, d in site.others if isinstance(site.local.shape[d], torch.SymInt)
+                 or site.local.shape[d] == 0]
         for d in spare:
             x = with_spare_slice(x, d)
         y = self.original(x, *args, **kwargs)
         check_same_length(y.shape[self.dim], x.shape[self.dim], self.style, self.dim)
         for d in spare:
-            y = y.narrow(d, 0, 0)
+            y = y.narrow(d, 0, site.local.shape[d])
         return y.narrow(self.dim, 0, n) if x is not site.local else y
 
     def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -172,8 +172,31 @@ def _local_stats(x: torch.Tensor, num_groups: int, seg: Segments | None = None
     within = tuple(range(2, x.ndim))
     per_channel = math.prod(x.shape[2:])
     mean_c = xf.sum(within) / torch.sym_max(per_channel, 1)
-    m2_c = ((xf - mean_c.view(*mean_c.shape, *([1] * len(within)))) ** 2).sum(within)
+    at = mean_c.view(*mean_c.shape, *([1] * len(within)))
+    if x.ndim > 2 and isinstance(per_channel, int) and per_channel > 0:
+        m2_c = _squared_deviations(xf, at, within)
+    else:  # an empty chunk (count 0, mean 0, M2 0), or per-rank sizes (simulated)
+        m2_c = ((xf - at) ** 2).sum(within)
     return _group_stats(mean_c, m2_c, per_channel, num_groups)
+
+
+# blocks of dim 2 per chunk in `_squared_deviations`
+_BLOCKS = 16
+
+
+def _squared_deviations(xf: torch.Tensor, mean: torch.Tensor, within: tuple[int, ...]
+                        ) -> torch.Tensor:
+    """`((xf - mean) ** 2).sum(within)`, block by block along dim 2: the deviations and
+    their squares are block-sized temporaries, not chunk-sized (two more passes over
+    the whole chunk, written out, than one device's GroupNorm makes)."""
+    size = -(-xf.shape[2] // _BLOCKS)
+    total = None
+    for block in xf.split(size, 2):
+        d = block - mean
+        part = (d * d).sum(within)
+        total = part if total is None else total.add_(part)
+    assert total is not None
+    return total
 
 
 def _group_stats(mean_c: torch.Tensor, m2_c: torch.Tensor, per_channel: Any,
@@ -261,6 +284,30 @@ def _per_channel(t: torch.Tensor, channels: int, ndim: int) -> torch.Tensor:
     return out.view(*out.shape, *([1] * (ndim - 2)))
 
 
+def _normalized(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                mean: torch.Tensor, rstd: torch.Tensor, seg: Segments | None) -> torch.Tensor:
+    """`(x - mean) * rstd * weight + bias` with the `(R, G)` statistics. Without segments,
+    as one pass over x, `x * a + b` with per-(batch, channel) `a = rstd * weight` and
+    `b = bias - mean * a` (the form torch's own CPU GroupNorm kernel computes): the step
+    by step form makes four chunk-sized passes and temporaries."""
+    work = torch.promote_types(x.dtype, torch.float32)
+    c, n = x.shape[1], x.ndim
+    if seg is None:
+        a = _expand(rstd, c, n, None)
+        if weight is not None:
+            a = a * weight.to(work).view(-1, *([1] * (n - 2)))
+        b = -_expand(mean, c, n, None) * a
+        if bias is not None:
+            b = b + bias.to(work).view(-1, *([1] * (n - 2)))
+        return torch.addcmul(b, x.to(work), a).to(x.dtype)
+    y = (x.to(work) - _expand(mean, c, n, seg)) * _expand(rstd, c, n, seg)
+    if weight is not None:
+        y = y * weight.to(work).view(-1, *([1] * (n - 2)))
+    if bias is not None:
+        y = y + bias.to(work).view(-1, *([1] * (n - 2)))
+    return y.to(x.dtype)
+
+
 class _GroupNormFn(torch.autograd.Function):
     """GroupNorm with global statistics, saving only x (as `F.group_norm` does).
 
@@ -288,14 +335,7 @@ class _GroupNormFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight, mean, rstd, stats[:, 0].sum(0))
         ctx.grp, ctx.bias_dtype, ctx.seg = grp, None if bias is None else bias.dtype, seg
         ctx.more = more
-        work = torch.promote_types(x.dtype, torch.float32)
-        c, n = x.shape[1], x.ndim
-        y = (x.to(work) - _expand(mean, c, n, seg)) * _expand(rstd, c, n, seg)
-        if weight is not None:
-            y = y * weight.to(work).view(-1, *([1] * (n - 2)))
-        if bias is not None:
-            y = y + bias.to(work).view(-1, *([1] * (n - 2)))
-        return y.to(x.dtype)
+        return _normalized(x, weight, bias, mean, rstd, seg)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]

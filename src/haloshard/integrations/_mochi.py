@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from haloshard._errors import HaloError
-from haloshard._hooks import Annotation, attach
+from haloshard._hooks import Annotation, _HaloForward, attach
 from haloshard._layout import PadMode
 
 
@@ -73,6 +73,11 @@ def _drop(vae: nn.Module, count: int) -> _DropFirst:
     if drop is None or drop.count != count:
         drop = _DropFirst(count)
         attach(drop, Annotation(None, 2, DropFirstStencil(count)), None)
+        # dropping frames along T reads each row and column alone: a video also sharded
+        # on H or W (a `(t, h)` mesh) keeps its chunk there, with no halo
+        forward = drop.forward
+        assert isinstance(forward, _HaloForward)
+        forward.per_slice = (3, 4)
         _DROPS[vae] = drop
     return drop
 
@@ -80,7 +85,9 @@ def _drop(vae: nn.Module, count: int) -> _DropFirst:
 def mochi_decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
     """`vae.decode(z).sample` of a Mochi VAE parallelized with `plan_for(vae)`, on a
     `Shard(2)` latent, with the video a `Shard(2)` DTensor (DTensor's own slice in
-    `vae.decode` would gather the whole video on every rank).
+    `vae.decode` would gather the whole video on every rank). A latent also sharded on H
+    (`plan_for(vae, dims=(2, 3))`, `[Shard(2), Shard(3)]` on a `(t, h)` mesh) keeps its
+    rows; one sharded on H alone is sliced along T locally, as `vae.decode` does.
 
     Raises:
         HaloError: for another model, or tiling, slicing or framewise decoding on.
@@ -94,6 +101,6 @@ def mochi_decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
     count = vae.temporal_compression_ratio - 1
     if not vae.drop_last_temporal_frames or dec.size(2) < count + 1 or count == 0:
         return dec
-    if not isinstance(dec, DTensor):
-        return dec[:, :, count:]
+    if not isinstance(dec, DTensor) or Shard(2) not in dec.placements:
+        return dec[:, :, count:]  # T whole on every rank: DTensor slices it locally
     return _drop(vae, count)(dec)

@@ -105,7 +105,11 @@ from haloshard._norms import group_norm
 from haloshard._specs import ConvStencil, plan_windows
 from haloshard._styles import HaloParallel
 from haloshard.integrations._cogvideox import cogvideox_decode, cogvideox_encode
-from haloshard.integrations._ltx import LTXDownsamplerParallel, SpaceToDepthStencil
+from haloshard.integrations._ltx import (
+    LTXDownsamplerParallel,
+    SlicedConvRun,
+    SpaceToDepthStencil,
+)
 from haloshard.integrations._mochi import mochi_decode
 from haloshard.integrations._wan import (
     CachedUpStencil,
@@ -796,8 +800,9 @@ class _MochiBlockForward(ShardedForward):
         return h, cache
 
 
-# Inference: Mochi's attention along T runs on this many slices of the columns (W, never
-# sharded) in turn, each pixel's sequence whole: its q, k, v, K/V blocks and softmax state
+# Inference: Mochi's attention along T runs on this many slices of the rows (or of the
+# columns, W, never sharded, for a batch > 1 or fewer rows) in turn, each pixel's sequence
+# whole; as many on every rank (W's count): its q, k, v, K/V blocks and softmax state
 # are then a fraction of the chunk, far below the convs' buffers.
 _PIXEL_PARTS = 4
 
@@ -808,8 +813,8 @@ def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     sharded too, on another mesh axis: each pixel's sequence is along T alone.
 
     The normalised input is dropped once its tokens exist. Without grad the pixels are
-    attended in `_PIXEL_PARTS` slices of W in turn (each pixel's own sequence, so the
-    result is the same), so q, k, v and the attention's buffers are a part's."""
+    attended in `_PIXEL_PARTS` slices of rows (or W) in turn (each pixel's own sequence,
+    so the result is the same), so q, k, v and the attention's buffers are a part's."""
     site = _dtensor_site(h, dim, several=True)
     shape, mesh, placements = h.shape, site.mesh, site.placements
     n, padded = site.local.shape[dim], enabled_local_tensor_mode() is not None
@@ -819,9 +824,11 @@ def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     del h, site  # the caller's norm output: freed here unless autograd keeps it
     # grad mode is part of the agreed signature: every rank runs as many parts
     parts = 1 if torch.is_grad_enabled() else min(_PIXEL_PARTS, tokens.shape[2])
+    # slices of rows where they are contiguous (batch 1), so q, k, v's linears copy no part
+    along = 1 if tokens.shape[0] == 1 and tokens.shape[1] >= parts else 2
     o = torch.cat([_attend_pixels(attn, part, group, length, n if padded else None,
                                   (reuse[0], (reuse[1], parts, j)))
-                   for j, part in enumerate(tokens.tensor_split(parts, dim=2))], 2) \
+                   for j, part in enumerate(tokens.tensor_split(parts, dim=along))], along) \
         if parts > 1 else _attend_pixels(attn, tokens, group, length,
                                          n if padded else None, reuse)
     del tokens
@@ -1154,7 +1161,8 @@ class LTXUpsamplerParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "LTXVideoUpsampler3d", "LTXUpsamplerParallel")
         if self.dim == 3:
-            attach(module, Annotation(None, 3, _ltx_rows(module)), device_mesh)
+            attach(module, Annotation(None, 3, _ltx_rows(module)), device_mesh,
+                   local=SlicedConvRun())
             return module
         _check_time_dim(self.dim, "LTXUpsamplerParallel")
         conv = module.conv
@@ -1164,7 +1172,7 @@ class LTXUpsamplerParallel(ParallelStyle):
                             f"dilation 1 along T, got {stride}, {conv.conv.dilation[0]}")
         before, after = (k - 1, 0) if conv.is_causal else ((k - 1) // 2, (k - 1) // 2)
         stencil = ConvDepthToSpaceStencil(module.stride[0], before, after)
-        attach(module, Annotation(None, self.dim, stencil), device_mesh)
+        attach(module, Annotation(None, self.dim, stencil), device_mesh, local=SlicedConvRun())
         _also_rows(module, _ltx_rows)
         return module
 
