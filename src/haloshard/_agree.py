@@ -78,8 +78,10 @@ def from_bits(bits: int) -> float:
     return float(struct.unpack("<d", struct.pack("<q", int(bits)))[0])
 
 
+@torch.compiler.assume_constant_result
 def digest(values: object) -> int:
-    """A code of a value every rank must share (e.g. document boundaries), from its repr."""
+    """A code of a value every rank must share (e.g. document boundaries), from its repr.
+    Dynamo calls it for real (`zlib` cannot be traced): its argument is a trace constant."""
     return zlib.crc32(repr(values).encode())
 
 
