@@ -62,8 +62,9 @@ def _varlen_call(case: str, rank: int) -> Callable[[torch.Tensor], torch.Tensor]
     pad, left, right, cu = "replicate", 1, 1, [0, 3, 8]
     if case == "pad" and rank == 1:
         pad = "zeros"
-    if case == "taps" and rank == 1:
-        left, right = 2, 0  # causal: the same halo width in total, other taps
+    if case == "taps":  # reflect exchanges max(left, right) per side: the same halo of
+        # (2, 2) on both ranks, which the exchange's own agreement accepts; other taps
+        pad, (left, right) = "reflect", ((2, 0) if rank == 0 else (0, 2))
     if case == "cu_seqlens" and rank == 1:
         cu = [0, 4, 8]
     def call(x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +102,7 @@ def compiled_outcome(kind: str, case: str) -> tuple[str, float]:
     ("group_norm", "segments", r"group_norm: ranks disagree on segments \(a code of the "
                                r"segment / frame_batches lengths\)"),
     ("varlen_conv", "pad", r"ranks disagree on pad: \['replicate', 'zeros'\] \(rank by rank\)"),
-    ("varlen_conv", "taps", r"ranks disagree on left: \[1, 2\]"),
+    ("varlen_conv", "taps", r"ranks disagree on left: \[2, 0\]"),
     ("varlen_conv", "cu_seqlens", r"ranks disagree on cu_seqlens \(a digest of the boundaries"),
 ])
 def test_compiled_disagreement_raises_on_every_rank(gloo, kind: str, case: str,
