@@ -407,7 +407,8 @@ def _reuse_agreed(grp: _comm.Group, store: Agreements, key: Hashable,
     and its status."""
 
     def join(agreed: Agreed, status: int) -> list[int]:
-        _, _, global_length, frame, blocks = agreed.signature  # type: ignore[misc]
+        called: tuple[Any, ...] = agreed.signature  # type: ignore[assignment]
+        _, _, global_length, frame, blocks = called
         placeholder = _placeholder_blocks if blocks else _placeholder_gather
         return placeholder(grp, global_length, frame, agreed.shape, agreed.dtype,
                            agreed.device, status)
