@@ -25,6 +25,7 @@ from haloshard._agree import (
     Agreements,
     Fields,
     check_rows,
+    dtype_code,
     gather,
     gather_while_tracing,
     reuse_agreement,
@@ -35,7 +36,6 @@ from haloshard._errors import HaloError
 from haloshard._exchange import (
     _as_int,
     _check_own_length,
-    _dtype_code,
     _length_problem,
     _own_length_problem,
     _tensor_problem,
@@ -92,7 +92,7 @@ def _row_values(tensors: tuple[torch.Tensor, ...], dim: int, global_length: int,
             continue
         d = dim % t.ndim
         sizes = [-1 if i == d else n for i, n in enumerate(t.shape)]
-        row += [t.ndim, _dtype_code(t.dtype), int(t.requires_grad), t.shape[d], *sizes,
+        row += [t.ndim, dtype_code(t.dtype), int(t.requires_grad), t.shape[d], *sizes,
                 *[-1] * (_MAX_DIMS - len(sizes))]
     return row
 

@@ -27,11 +27,11 @@ from haloshard._agree import (
     Reuse,
     agree_while_tracing,
     check_rows,
+    dtype_code,
     gather,
     reuse_agreement,
     shown,
 )
-from haloshard._agree import dtype_code as _dtype_code
 from haloshard._comm import Group, GroupLike
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
@@ -109,7 +109,7 @@ def _row_values(
     sizes = [-1 if i == d else s for i, s in enumerate(x.shape[:_MAX_DIMS])]
     pads = PAD_MODES + LENIENT_PADS
     return [int(error), x.ndim, d, _as_int(left), _as_int(right), _code(pad, pads),
-            _code(transport, TRANSPORTS), _dtype_code(x.dtype), int(x.requires_grad),
+            _code(transport, TRANSPORTS), dtype_code(x.dtype), int(x.requires_grad),
             int(torch.is_grad_enabled()), x.shape[d] if not error else -1,
             _as_int(global_length), *sizes,
             *[-1] * (_MAX_DIMS - len(sizes))]

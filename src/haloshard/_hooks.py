@@ -35,14 +35,14 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm, _segments
-from haloshard._agree import Fields, Reuse, check_rows, gather
+from haloshard._agree import Fields, Reuse, check_rows, dtype_code, gather
 from haloshard._compat import (
     enabled_local_tensor_mode,
     maybe_run_for_local_tensor,
 )
 from haloshard._conv import halo_conv, slow_window, taps_layout, with_spare_slice
 from haloshard._errors import HaloError
-from haloshard._exchange import _dtype_code, exchange, leave_agreement
+from haloshard._exchange import exchange, leave_agreement
 from haloshard._forward import INSIDE as _INSIDE
 from haloshard._forward import (
     HaloHandle,
@@ -714,7 +714,7 @@ def _input_row(t: torch.Tensor, dim: int) -> torch.Tensor:
     """A plain chunk's row: its length along `dim`, then what every rank must share."""
     d = dim % t.ndim
     sizes = [-1 if i == d else int(n) for i, n in enumerate(t.shape[:8])]
-    return torch.tensor([t.shape[d], 0, t.ndim, _dtype_code(t.dtype), int(t.requires_grad),
+    return torch.tensor([t.shape[d], 0, t.ndim, dtype_code(t.dtype), int(t.requires_grad),
                          int(torch.is_grad_enabled()), *sizes, *[-1] * (8 - len(sizes))])
 
 

@@ -27,13 +27,15 @@ from haloshard._agree import (
     agree_while_tracing,
     check_rows,
     digest,
+    dtype_code,
     float_bits,
     from_bits,
+    shown,
 )
 from haloshard._comm import GroupLike
 from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError
-from haloshard._exchange import _dtype_code, _length_problem, _tensor_problem, shown
+from haloshard._exchange import _length_problem, _tensor_problem
 from haloshard._layout import shard_sizes
 from haloshard._segments import Segments, local_segments
 from haloshard._tracing import surfaces_errors
@@ -94,7 +96,7 @@ def _meta_row(x: Any, groups: Any, eps: Any, weight: Any, bias: Any, error: bool
         return [1.0] + [-1.0] * (len(_META) - 1)
     # a per-rank (simulated) or traced length cannot travel: those ranks run one program
     length = x.shape[along.dim] if _comm.is_eager(x) and along.global_length >= 0 else -1
-    return [0.0, x.ndim, x.shape[0], x.shape[1], groups, _dtype_code(x.dtype), float(eps),
+    return [0.0, x.ndim, x.shape[0], x.shape[1], groups, dtype_code(x.dtype), float(eps),
             weight is not None, bias is not None, x.requires_grad, along.segments,
             along.global_length, length]
 
@@ -136,7 +138,7 @@ def _agree_traced(x: torch.Tensor, groups: Any, eps: Any, weight: Any, bias: Any
     agree on the arguments they must share once per trace (`haloshard._agree`). `dim` is
     sent where it is used: with segments or a global length."""
     values = None if problem is not None else [
-        0, x.ndim, groups, _dtype_code(x.dtype), float_bits(eps), weight is not None,
+        0, x.ndim, groups, dtype_code(x.dtype), float_bits(eps), weight is not None,
         bias is not None, x.requires_grad, along.dim if along.global_length >= 0 else UNSENT,
         along.segments, along.global_length]
     agree_while_tracing(values, _TRACED, grp, "group_norm metadata exchange", problem)
