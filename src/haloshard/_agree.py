@@ -34,7 +34,7 @@ from __future__ import annotations
 import operator
 import struct
 import zlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +143,7 @@ def gather(row: torch.Tensor, group: _comm.Group, what: str) -> list[list[int]]:
 
 
 def gather_while_tracing(values: list[Any], group: _comm.Group, what: str,
-                         unsent: set[int] = frozenset()) -> list[list[int]]:  # type: ignore[assignment]
+                         unsent: Collection[int] = ()) -> list[list[int]]:
     """`gather` under torch.compile, once per trace, for real (see the module docstring).
     The fields at `unsent` (traced sizes) travel as `UNSENT`; every other value is
     specialised to an int (a guard: the agreement's values are constants of the trace)."""
@@ -152,8 +152,7 @@ def gather_while_tracing(values: list[Any], group: _comm.Group, what: str,
 
 
 def agree_while_tracing(values: list[Any] | None, fields: Fields, group: _comm.Group,
-                        what: str, own: str | None, unsent: set[int] = frozenset()  # type: ignore[assignment]
-                        ) -> None:
+                        what: str, own: str | None, unsent: Collection[int] = ()) -> None:
     """The trace-time agreement: `check_rows` on every rank's row gathered while dynamo
     traces. `values`: this rank's row (None: only its error flag). Simulated ranks run one
     program with nothing real to agree with: each checks its own problem."""
