@@ -10,19 +10,22 @@ and the few fields that may differ (a chunk's length along the sharded dim). Flo
 as their bits (`float_bits`); sequences and tensors as codes or digests.
 
 When, and at what cost:
-- an agreement is one all-gather of one row per rank (`gather`; a collective that runs
-  anyway may carry the row instead, as group_norm's statistics do); `check_rows` then raises
-  the same `HaloError` on every rank, naming each rank's value, when a rank flagged an error
-  or a shared field differs;
-- steady state: a call site keeps its last agreement (`Agreements`: one `Agreed` per site
-  key, with the call's signature). A later call compares its own row and signature with it
-  locally (`reuse_agreement`), with no collective. A mistake (`MISTAKE`) or a change (`CHANGED`) on
-  one rank rides as a status in the data collective the call runs anyway, that rank sending
-  a placeholder of the agreed shape (the caller's `join`): every rank raises, or, when
-  every rank changed alike, all agree afresh. The key holds the site alone, never the
-  signature: ranks whose signatures differ must still meet in one collective;
+- an agreement is one all-gather of one row per rank (`gather`: at least 32 int64 each, a
+  tag naming the agreement first), at a call site's first call and whenever its signature
+  changes; a collective that runs anyway may carry the row instead (group_norm's
+  statistics, varlen's per-call row). `check_rows` then raises the same `HaloError` on
+  every rank, naming each rank's value, when a rank flagged an error or a shared field
+  differs;
+- steady state costs no collective: a call site keeps its last agreement (`Agreements`, one
+  `Agreed` per site key, with the call's signature), and a later call compares its own row
+  and signature with it locally (`reuse_agreement`). A mistake (`MISTAKE`) or a change
+  (`CHANGED`) on one rank rides as a status (one element per peer) in the data collective
+  the call runs anyway, that rank sending a placeholder of the agreed shape (the caller's
+  `join`): every rank raises, or, when every rank changed alike, all agree afresh. The key
+  holds the site alone, never the signature: ranks whose signatures differ must still meet
+  in one collective;
 - under torch.compile a graph cannot read a gathered row: the ranks agree once per trace,
-  for real, while dynamo traces (`gather_while_tracing`; every rank traces the same calls in
+  for real, while dynamo traces (`agree_while_tracing`; every rank traces the same calls in
   the same order), and the graph keeps the rows as constants, so it sends no metadata. A
   traced size is a symbol: it stays out of the row (`UNSENT`); every other value is
   specialised, so a change retraces and agrees again (a rank that alone retraces waits in
