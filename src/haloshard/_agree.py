@@ -13,8 +13,9 @@ When, and at what cost:
 - an agreement is one all-gather of one row per rank (`gather`: at least 32 int64 each, a
   tag naming the agreement first), at a call site's first call and whenever its signature
   changes; a collective that runs anyway may carry the row instead (group_norm's
-  statistics, varlen's per-call row). `check_rows` then raises the same `HaloError` on
-  every rank, naming each rank's value, when a rank flagged an error or a shared field
+  statistics), and callers that learn every chunk length from it gather it on every call
+  (`varlen_conv`, plain-tensor halo inputs). `check_rows` then raises the same `HaloError`
+  on every rank, naming each rank's value, when a rank flagged an error or a shared field
   differs;
 - steady state costs no collective: a call site keeps its last agreement (`Agreements`, one
   `Agreed` per site key, with the call's signature), and a later call compares its own row
