@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from haloshard import HaloError, group_norm, varlen_conv
 from haloshard.testing import seeded_randn, shard, worker_mesh
 
-# A mistake found at trace time raises before the graph runs: tracing on a loaded 2-core
-# machine takes seconds; the process group's timeout (60 s) would show a rank that waited.
-PROMPT_S = 30.0
+# A mistake found at trace time raises before the graph runs: tracing takes seconds (more on
+# a loaded 2-core machine); a rank that waited for its peers would take the process group's
+# timeout (60 s here) or more.
+PROMPT_S = 45.0
 _KERNEL = seeded_randn((2, 1, 3), 5)  # depthwise, float64 as every tensor here
 
 
