@@ -12,8 +12,7 @@ fold them in without the full K and V (`haloshard._masked_attention`).
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
@@ -21,17 +20,25 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from haloshard import _comm
+from haloshard._agree import (
+    Agreed,
+    Agreements,
+    Fields,
+    check_rows,
+    dtype_code,
+    gather,
+    gather_while_tracing,
+    reuse_agreement,
+)
 from haloshard._comm import GroupLike
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
-from haloshard._errors import HaloError, raise_rejected
+from haloshard._errors import HaloError
 from haloshard._exchange import (
     _as_int,
     _check_own_length,
-    _dtype_code,
     _length_problem,
     _own_length_problem,
     _tensor_problem,
-    shown,
 )
 from haloshard._layout import shard_sizes
 from haloshard._tracing import surfaces_errors
@@ -85,26 +92,24 @@ def _row_values(tensors: tuple[torch.Tensor, ...], dim: int, global_length: int,
             continue
         d = dim % t.ndim
         sizes = [-1 if i == d else n for i, n in enumerate(t.shape)]
-        row += [t.ndim, _dtype_code(t.dtype), int(t.requires_grad), t.shape[d], *sizes,
+        row += [t.ndim, dtype_code(t.dtype), int(t.requires_grad), t.shape[d], *sizes,
                 *[-1] * (_MAX_DIMS - len(sizes))]
     return row
 
 
+def _fields(names: tuple[str, ...]) -> Fields:
+    """The row's fields for tensors called `names`: their lengths may differ."""
+    return Fields(("error", "global_length", "frame",
+                   *(f"{name} {f}" for name in names for f in _TENSOR_FIELDS)), "gather",
+                  "every rank must pass the same arguments and tensors that differ only in "
+                  "the length of the gathered dim",
+                  may_differ=frozenset(f"{name} length" for name in names))
+
+
 @maybe_run_for_local_tensor
-def _check_rows(rows: list[list[int]], own: str | None, names: tuple[str, ...]) -> None:
-    """The same `HaloError` on every rank when any rank's row is bad or the rows differ."""
-    raise_rejected(own, [row[0] for row in rows], "gather")
+def _check_lengths(rows: list[list[int]], names: tuple[str, ...]) -> None:
+    """Every tensor's chunk lengths against the `Shard` split of the agreed global length."""
     n = len(_TENSOR_FIELDS)
-    fields = ["global_length", "frame", *(f"{name} {f}" for name in names
-                                         for f in _TENSOR_FIELDS)]
-    length_at = {3 + k * n + 3 for k in range(len(names))}
-    for i, field in enumerate(fields, start=1):
-        values = [row[i] for row in rows]
-        if i not in length_at and len(set(values)) > 1:
-            raise HaloError(f"ranks disagree on {field}: {shown(field, values)} (rank by rank); "
-                            "every rank "
-                            "must pass the same arguments and tensors that differ only in the "
-                            "length of the gathered dim")
     global_length, frame = rows[0][1], rows[0][2]
     want = [n_r * frame for n_r in shard_sizes(global_length, len(rows))]
     for k, name in enumerate(names):
@@ -120,24 +125,26 @@ def _agree(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim: int,
            ) -> None:
     """Check every rank's tensors against `global_length` on every rank at once.
 
-    Eager: one all-gather of a fixed-size row (it cannot mismatch, so a mistake on one rank
-    raises `HaloError` everywhere, not a backend abort). Compiled: see `_agree_traced`.
+    Eager: one all-gather of a fixed-size row (`haloshard._agree`). Compiled: see
+    `_agree_traced`.
     """
     problem = problem or _problem(tensors, dim, global_length, frame)
     if torch.compiler.is_compiling():
         _agree_traced(tensors, names, dim, grp, global_length, frame, problem)
         return
     row = _meta_row(tensors, dim, global_length, frame, problem is not None)
-    _check_rows(_comm.gather_ints(row, grp, "gather metadata exchange"), problem, names)
+    rows = gather(row, grp, "gather metadata exchange")
+    check_rows(rows, _fields(names), problem)
+    _check_lengths(rows, names)
 
 
 def _agree_traced(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim: int,
                   grp: _comm.Group, global_length: int, frame: int, problem: str | None
                   ) -> None:
     """`_agree` under torch.compile: each rank checks its own chunks against the stated
-    global length, then the ranks agree on their rows once, while dynamo traces, so a
-    mistake on one rank raises on every rank and the graph sends no metadata. Lengths and
-    sizes stay out of the traced row (see `haloshard._exchange._agree_traced`)."""
+    global length, then the ranks agree on their rows once per trace, so a mistake on one
+    rank raises on every rank and the graph sends no metadata. Lengths and sizes stay out
+    of the traced row (see `haloshard._agree`)."""
     lengths: tuple[int, ...] = ()
     if problem is None:
         lengths = tuple(n * frame for n in shard_sizes(global_length, grp.size))
@@ -152,10 +159,9 @@ def _agree_traced(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim
     n = len(_TENSOR_FIELDS)
     unsent = {3 + k * n + i for k in range(len(tensors)) for i in range(3, n)}
     row = _row_values(tensors, dim, global_length, frame, problem is not None)
-    rows = _comm.gather_ints_while_tracing(
-        tuple(-1 if i in unsent else operator.index(v) for i, v in enumerate(row)), grp,
-        "gather metadata exchange")
-    _check_rows(rows, problem, names)
+    rows = gather_while_tracing(row, grp, "gather metadata exchange", unsent)
+    check_rows(rows, _fields(names), problem)
+    _check_lengths(rows, names)
 
 
 def _gather(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
@@ -315,19 +321,19 @@ def _agree_many(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group,
         return None
     store, signature = reuse
     # One agreement per site (the same key on every rank); the signature, which may differ
-    # between ranks, is compared locally (see `haloshard._exchange.Reuse`).
+    # between ranks, is compared locally (see `haloshard._agree`).
     key = (id(grp.pg), len(tensors))
     signature = (signature, dim, global_length, frame, blocks)
     row = None if problem else _meta_row(tensors, dim, global_length, frame, False).tolist()
-    if key in store and not _reuse_agreed(grp, store[key], row, signature, problem):
-        del store[key]  # every rank's signature changed: agree afresh, all alike
-    if key not in store:  # agree (a mistake raises on every rank), then cache if one buffer
-        _agree(tensors, names, dim, grp, global_length, frame, problem)
-        fronts = _fronts(tensors, dim % tensors[0].ndim)[0]  # agreed: dim is in range
-        if not _one_buffer(fronts):
-            return None
-        buffer = (*fronts[0].shape[1:-1], sum(f.shape[-1] for f in fronts))
-        store[key] = (row, buffer, tensors[0].dtype, tensors[0].device, signature)
+    if _reuse_agreed(grp, store, key, row, signature, problem) is not None:
+        return 0
+    # agree (a mistake raises on every rank), then cache if one buffer
+    _agree(tensors, names, dim, grp, global_length, frame, problem)
+    fronts = _fronts(tensors, dim % tensors[0].ndim)[0]  # agreed: dim is in range
+    if not _one_buffer(fronts):
+        return None
+    buffer = (*fronts[0].shape[1:-1], sum(f.shape[-1] for f in fronts))
+    store[key] = Agreed(row, signature, (), buffer, tensors[0].dtype, tensors[0].device)
     return 0
 
 
@@ -393,31 +399,32 @@ def _source_buffer(own: torch.Tensor, rank: int | torch.SymInt, src: int) -> tor
     return own
 
 
-def _reuse_agreed(grp: _comm.Group, agreed: tuple[Any, ...], row: list[int] | None,
-                  signature: Any, problem: str | None) -> bool:
-    """Whether this rank's row and signature are the agreed ones (checked locally). If not,
-    this rank joins the all-gather its peers are starting with placeholder rows and its
-    status raised (1: a mistake, 2: a change): False when every rank changed (agree
-    afresh), else `HaloError` here, and in the gather on the ranks that kept them."""
-    agreed_row, buffer, dtype, device, agreed_signature = agreed
-    if problem is None and row == agreed_row and signature == agreed_signature:
-        return True
-    _, _, global_length, frame, blocks = agreed_signature
-    join = _placeholder_blocks if blocks else _placeholder_gather
-    statuses = join(grp, global_length, frame, buffer, dtype, device,
-                    1 if problem else _CHANGED)
-    if problem is None and set(statuses) == {_CHANGED}:
-        return False
-    kept = [r for r, f in enumerate(statuses) if f == 0]
-    raise HaloError(problem or f"this rank's tensors or arguments differ from those agreed "
-                    f"at this attention block's last agreement: got the metadata row {row} "
-                    f"and signature {signature}, agreed {agreed_row} and {agreed_signature}; "
-                    f"rank(s) {kept} of the group kept the agreed ones")
+def _reuse_agreed(grp: _comm.Group, store: Agreements, key: Hashable,
+                  row: list[int] | None, signature: Hashable, problem: str | None
+                  ) -> Agreed | None:
+    """`haloshard._agree.reuse_agreement` for a gather: on a mistake or a change this rank
+    joins the all-gather (or the broadcasts) its peers are starting with placeholder rows
+    and its status."""
+
+    def join(agreed: Agreed, status: int) -> list[int]:
+        called: tuple[Any, ...] = agreed.signature  # type: ignore[assignment]
+        _, _, global_length, frame, blocks = called
+        placeholder = _placeholder_blocks if blocks else _placeholder_gather
+        return placeholder(grp, global_length, frame, agreed.shape, agreed.dtype,
+                           agreed.device, status)
+
+    def differs(agreed: Agreed, kept: list[int]) -> str:
+        return (f"this rank's tensors or arguments differ from those agreed at this "
+                f"attention block's last agreement: got the metadata row {row} and "
+                f"signature {signature}, agreed {agreed.row} and {agreed.signature}; "
+                f"rank(s) {kept} of the group kept the agreed ones")
+
+    return reuse_agreement(store, key, row, signature, problem, join, differs)
 
 
-# A call site's agreements (one per site and group) and this call's signature.
-Reuse = tuple[dict[Any, Any], Any]
-_CHANGED = 2  # the status of a rank whose signature changed since the agreement
+# A gather site's agreements (its key is the gather's own: group and tensor count) and this
+# call's signature.
+Reuse = tuple[Agreements, Hashable]
 
 
 def _placeholder_gather(grp: _comm.Group, global_length: int, frame: int,

@@ -11,8 +11,6 @@ from, on its owner.
 
 from __future__ import annotations
 
-import operator
-import zlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, fields
 from typing import Any, cast
@@ -21,18 +19,27 @@ import torch
 from einops import rearrange
 
 from haloshard import _comm
+from haloshard._agree import (
+    CHANGED,
+    Agreed,
+    Agreements,
+    Fields,
+    Reuse,
+    agree_while_tracing,
+    check_rows,
+    dtype_code,
+    gather,
+    reuse_agreement,
+    shown,
+)
 from haloshard._comm import Group, GroupLike
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
-from haloshard._errors import HaloError, raise_rejected
+from haloshard._errors import HaloError
 from haloshard._layout import LENIENT_PADS, PAD_MODES, check_pad_fits, shard_sizes
 from haloshard._plan import HaloFill, Held, Runs, as_runs, exchange_plan, halo_fill
 from haloshard._simulated import per_rank
 from haloshard._tracing import planner_cache, surfaces_errors
 
-_DTYPES = (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
-    torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)
 _MAX_DIMS = 8
 # One row of ints per rank; "length" is the only field allowed to differ between ranks.
 # "global_length" (-1: not given) rides along so that a rank whose stated length differs
@@ -40,24 +47,12 @@ _MAX_DIMS = 8
 _FIELDS = ("error", "ndim", "dim", "left", "right", "pad", "transport", "dtype",
            "requires_grad", "grad_enabled", "length", "global_length",
            *(f"size of dim {i}" for i in range(_MAX_DIMS)))
-_ERR, _LEN = _FIELDS.index("error"), _FIELDS.index("length")
+_LEN = _FIELDS.index("length")
+_ROW = Fields(_FIELDS, "halo_exchange", "every rank must pass the same halo_exchange "
+              "arguments and tensors that differ only in the length of the sharded dim",
+              may_differ=frozenset({"length"}))
 # Halo widths and lengths must fit the int64 metadata row (and any index tensor).
 _MAX_INT = 2**62
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    """A code per dtype, distinct for every dtype (listed ones first, others by name)."""
-    if dtype in _DTYPES:
-        return _DTYPES.index(dtype)
-    return len(_DTYPES) + zlib.crc32(str(dtype).encode())
-
-
-def shown(field: str, values: list[Any]) -> list[Any]:
-    """Row values as a message shows them: dtype codes by name."""
-    if not field.endswith("dtype"):
-        return values
-    names = {_dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
-    return [names.get(int(v), v) for v in values]
 
 
 def _tensor_problem(x: object) -> str | None:
@@ -114,7 +109,7 @@ def _row_values(
     sizes = [-1 if i == d else s for i, s in enumerate(x.shape[:_MAX_DIMS])]
     pads = PAD_MODES + LENIENT_PADS
     return [int(error), x.ndim, d, _as_int(left), _as_int(right), _code(pad, pads),
-            _code(transport, TRANSPORTS), _dtype_code(x.dtype), int(x.requires_grad),
+            _code(transport, TRANSPORTS), dtype_code(x.dtype), int(x.requires_grad),
             int(torch.is_grad_enabled()), x.shape[d] if not error else -1,
             _as_int(global_length), *sizes,
             *[-1] * (_MAX_DIMS - len(sizes))]
@@ -132,37 +127,6 @@ def _meta_row(
     return torch.tensor(row, dtype=torch.int64, device=device)
 
 
-@maybe_run_for_local_tensor
-def _check_rows(rows: list[list[int]], own_problem: str | None) -> None:
-    """Raise the same `HaloError` on every rank when any rank's row is bad or differs.
-
-    Per simulated rank under LocalTensorMode: groups of a 2-D mesh may hold different rows
-    (an uneven batch over dp), which arrive as per-rank ints.
-    """
-    raise_rejected(own_problem, [row[_ERR] for row in rows], "halo_exchange")
-    for i, field in enumerate(_FIELDS):
-        values = [row[i] for row in rows]
-        if i != _LEN and len(set(values)) > 1:
-            raise HaloError(
-                f"ranks disagree on {field}: {shown(field, values)} (rank by rank); every "
-                "rank must pass "
-                "the same halo_exchange arguments and tensors that differ only in the length "
-                "of the sharded dim"
-            )
-
-
-# A call site's store, where it keeps what every rank agreed on at its last agreement (its
-# own row, every chunk length, the dtype and row shape to send placeholders in, the call's
-# signature), and the site's key, the same on every rank (a layer, an exchange in it),
-# then the call's signature (global shape, dtype, grad mode...): one agreement per site,
-# looked up by the site alone. A key with the signature in it would split the ranks
-# whose signatures differ into a collective each (an abort); compared locally, a
-# difference rides as a status in the move instead: raised on every rank when some ranks
-# differ, agreed afresh when all changed alike.
-Reuse = tuple[dict[Any, Any], Hashable, Hashable]
-_CHANGED = 2  # the status of a rank whose signature changed since the agreement
-
-
 def _agree(
     x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str,
     group: Group, global_length: int | None, problem: str | None = None,
@@ -173,10 +137,9 @@ def _agree(
 
     `problem`: a mistake the caller found in its own arguments on this rank; it is
     reported on every rank like one of the exchange's own. `reuse`: the call site's store,
-    key and the call's signature (see `Reuse`): a site agreed before checks this rank's
-    row and signature locally, with no collective; a mistake or a change on this rank
-    rides as a status in the halo move instead, which raises on every rank, or (every
-    rank changed alike) makes every rank agree afresh.
+    key and the call's signature (see `haloshard._agree`): a site agreed before checks this
+    rank's row and signature locally, with no collective; a mistake or a change on this
+    rank rides as a status in the halo move instead.
     """
     problem = (problem or _tensor_problem(x)
                or _local_problem(x, left, right, dim, pad, transport)
@@ -191,25 +154,24 @@ def _agree(
                                                      global_length)
         if key in reuse[0]:
             agreed = _reuse_agreed(x, left, right, dim, pad, transport, group,
-                                   global_length, reuse[0][key], signature, problem)
+                                   global_length, reuse[0], key, signature, problem)
             if agreed is not None:
                 return (*agreed, True)
-            del reuse[0][key]  # every rank's signature changed: agree afresh, all alike
     if isinstance(x, torch.Tensor):
         row = _meta_row(x, left, right, dim, pad, transport, problem is not None,
                         global_length)
     else:  # nothing to describe: a row that says only "error"
-        row = torch.tensor([1] + [-1] * (len(_FIELDS) - 1), dtype=torch.int64)
-    rows = _comm.gather_ints(row, group)
-    _check_rows(rows, problem)
+        row = torch.tensor(_ROW.error_row(), dtype=torch.int64)
+    rows = gather(row, group, "halo metadata exchange")
+    check_rows(rows, _ROW, problem)
     lengths = tuple(row[_LEN] for row in rows)
     _check_lengths(lengths, global_length, dim)
     check_pad_fits(sum(lengths), left, right, pad)
     if key is not None:  # every rank agreed: every rank stores it
         d = dim % x.ndim
-        reuse[0][key] = (rows[group.rank], lengths, x.dtype,  # type: ignore[index]
-                         tuple(n for i, n in enumerate(x.shape) if i != d), x.device,
-                         signature)
+        reuse[0][key] = Agreed(rows[group.rank], signature, lengths,  # type: ignore[index]
+                               tuple(n for i, n in enumerate(x.shape) if i != d), x.dtype,
+                               x.device)
     return dim % x.ndim, lengths, False
 
 
@@ -217,109 +179,100 @@ def _agree_traced(
     x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str,
     group: Group, global_length: int | None, problem: str | None,
 ) -> tuple[int, tuple[int, ...], bool]:
-    """`_agree` under torch.compile. No data-dependent metadata exchange in a graph: the
-    caller states the length, each rank checks its own chunk against it, and the ranks
-    agree on their rows once, while dynamo traces (`gather_ints_while_tracing`), so a
-    mistake on one rank raises on every rank and the graph sends no metadata."""
+    """`_agree` under torch.compile: the caller states the length, each rank checks its
+    own chunk against it, and the ranks agree on their rows once per trace
+    (`haloshard._agree.agree_while_tracing`), so a mistake on one rank raises on every rank
+    and the graph sends no metadata."""
     if problem is None and global_length is None:
         problem = "under torch.compile pass global_length="
     lengths: tuple[int, ...] = ()
     if problem is None:
         assert global_length is not None
         lengths = shard_sizes(global_length, group.size)
-    if not isinstance(group.rank, int):  # simulated ranks: nothing real to agree with
-        if problem is not None:
-            raise HaloError(problem)
+    if isinstance(group.rank, int) and problem is None:
+        problem = _own_length_problem(x.shape[dim], lengths, group.rank, dim)
+    values = None if not isinstance(x, torch.Tensor) else _row_values(
+        x, left, right, dim, pad, transport, problem is not None, global_length)
+    # Sizes stay out (this rank's own length is in its error flag; other sizes that differ
+    # fail in the move, not silently); a dynamic global_length is specialised.
+    agree_while_tracing(values, _ROW, group, "halo metadata exchange", problem,
+                        {_LEN, *range(_FIELDS.index("size of dim 0"), len(_FIELDS))})
+    if not isinstance(group.rank, int):  # simulated ranks: each checks its own chunk
         _check_own_length(x.shape[dim], lengths, group.rank, dim)
-    else:
-        if problem is None:
-            problem = _own_length_problem(x.shape[dim], lengths, group.rank, dim)
-        row = ([1] + [-1] * (len(_FIELDS) - 1) if not isinstance(x, torch.Tensor) else
-               _row_values(x, left, right, dim, pad, transport, problem is not None,
-                           global_length))
-        # Sizes stay out: a dynamic size is a symbol here (dynamo cannot tell it from an
-        # int), and specialising it would recompile per size. This rank's own length is
-        # in its error flag; other sizes that differ fail in the move, not silently. The
-        # rest (a dynamic global_length among them) is specialised (`operator.index`, a
-        # guard): the agreement's arguments must be constants of the trace.
-        sizes = {_LEN, *range(_FIELDS.index("size of dim 0"), len(_FIELDS))}
-        rows = _comm.gather_ints_while_tracing(
-            tuple(-1 if i in sizes else operator.index(v) for i, v in enumerate(row)), group)
-        _check_rows(rows, problem)
     check_pad_fits(sum(lengths), left, right, pad)
     return dim % x.ndim, lengths, False
 
 
 def _reuse_agreed(
     x: torch.Tensor, left: int, right: int, dim: int, pad: str, transport: str,
-    group: Group, global_length: int, agreed: tuple[Any, ...], signature: Hashable,
-    problem: str | None,
+    group: Group, global_length: int, store: Agreements, key: Hashable,
+    signature: Hashable, problem: str | None,
 ) -> tuple[int, tuple[int, ...]] | None:
-    """A site agreed before: check this rank's row and signature against the agreed ones,
-    locally. None: every rank's signature changed (agree afresh).
-
-    On a mistake or a change, this rank still joins the halo move its peers are starting,
-    with placeholder rows and its status raised (1: a mistake, `_CHANGED`: a new
-    signature), so every rank learns of it in the move that runs anyway: the peers that
-    kept the agreed signature raise, and so does this rank, unless every rank changed.
-    """
-    row, lengths, dtype, slice_shape, device, agreed_signature = agreed
-    changed = None
-    if problem is None:
-        own = _row_values(x, left, right, dim, pad, transport, False,  # no device sync
-                          global_length)
-        wrong = [f for f, a, b in zip(_FIELDS, own, row, strict=True) if a != b]
-        if wrong or signature != agreed_signature:
-            changed = (f"this rank's tensor or arguments differ from those every rank agreed "
-                       f"on at this call site's last agreement in {wrong or ['signature']}: "
-                       f"got {shown_row(own)}, agreed {shown_row(row)}")
-    if problem is None and changed is None:
-        return dim % x.ndim, lengths
-    if not (left or right):  # no move to ride in, nor any collective to desynchronise
+    """A site agreed before: `haloshard._agree.reuse`, joining the halo move with
+    placeholder rows on a mistake or a change. None: every rank changed (agree afresh)."""
+    own = None if problem is not None else _row_values(  # a list: no device sync
+        x, left, right, dim, pad, transport, False, global_length)
+    agreed = store[key]
+    if not (left or right) and (problem is not None or own != agreed.row
+                                or signature != agreed.signature):
+        # no move to ride in, nor any collective to desynchronise
         if problem is not None:
             raise HaloError(problem)
         lengths = shard_sizes(global_length, group.size)
         _check_own_length(x.shape[dim], lengths, group.rank, dim)
         return dim % x.ndim, lengths
-    recv, send, _ = _split_plan(group.rank, lengths, left, right, pad, group.size)
-    placeholder = torch.zeros((sum(send), *slice_shape), dtype=dtype, device=device)
-    moved = _comm.start_flagged_all_to_all(placeholder, recv, send, group,
-                                           flag=_CHANGED if problem is None else 1)
-    try:
-        statuses = _comm.statuses(moved)
-    except HaloError as error:  # the peers never joined: see docs/failures.md
-        raise HaloError(f"{error}. This rank's call differs from the one agreed at this "
-                        f"layer ({problem or changed}); if the other ranks do not run this "
-                        "call at all (an extra forward on this rank, e.g. under "
-                        "torch.no_grad(), while they call reduce_grads or another layer), "
-                        "they wait in a collective this move cannot meet") from error
-    if problem is None and set(statuses) == {_CHANGED}:
-        return None
-    kept = [r for r, f in enumerate(statuses) if f == 0]
-    raise HaloError(problem or f"{changed}; rank(s) {kept} of the group kept the agreed "
-                    "ones: every rank must pass the same arguments and a tensor that differs "
-                    "only in the length of the sharded dim")
+
+    def changed(agreed: Agreed) -> str:
+        assert own is not None
+        wrong = [f for f, a, b in zip(_FIELDS, own, agreed.row, strict=True) if a != b]
+        return (f"this rank's tensor or arguments differ from those every rank agreed on "
+                f"at this call site's last agreement in {wrong or ['signature']}: got "
+                f"{shown_row(own)}, agreed {shown_row(agreed.row)}")
+
+    def join(agreed: Agreed, status: int) -> list[int]:
+        recv, send, _ = _split_plan(group.rank, agreed.lengths, left, right, pad, group.size)
+        placeholder = torch.zeros((sum(send), *agreed.shape), dtype=agreed.dtype,
+                                  device=agreed.device)
+        moved = _comm.start_flagged_all_to_all(placeholder, recv, send, group, flag=status)
+        try:
+            return _comm.statuses(moved)
+        except HaloError as error:  # the peers never joined: see docs/failures.md
+            raise HaloError(
+                f"{error}. This rank's call differs from the one agreed at this layer "
+                f"({problem or changed(agreed)}); if the other ranks do not run this call "
+                "at all (an extra forward on this rank, e.g. under torch.no_grad(), while "
+                "they call reduce_grads or another layer), they wait in a collective this "
+                "move cannot meet") from error
+
+    def differs(agreed: Agreed, kept: list[int]) -> str:
+        return (f"{changed(agreed)}; rank(s) {kept} of the group kept the agreed ones: every "
+                "rank must pass the same arguments and a tensor that differs only in the "
+                "length of the sharded dim")
+
+    agreed_now = reuse_agreement(store, key, own, signature, problem, join, differs)
+    return None if agreed_now is None else (dim % x.ndim, agreed_now.lengths)
 
 
-def leave_agreement(store: dict[Any, Any], group: Group, what: str) -> None:
+def leave_agreement(store: Agreements, group: Group, what: str) -> None:
     """Before a call site runs without its halo move this call (`what`, e.g. per document
     under `packed`): join the move of its last agreement on `group` with placeholder rows
-    and status `_CHANGED`, so peers that run the move raise `HaloError` with this rank
+    and status `CHANGED`, so peers that run the move raise `HaloError` with this rank
     instead of waiting in a collective it never starts. When every rank leaves alike, the
     agreements are dropped (the next call with a halo agrees afresh)."""
-    keys = [k for k in store if k[1] == id(group.pg)]
+    keys = [k for k in store if k[1] == id(group.pg)]  # type: ignore[index]
     if not keys:
         return
-    row, lengths, dtype, slice_shape, device, _ = store[keys[-1]]
-    left, right = row[_FIELDS.index("left")], row[_FIELDS.index("right")]
-    pad = (PAD_MODES + LENIENT_PADS)[row[_FIELDS.index("pad")]]
+    agreed = store[keys[-1]]
+    left, right = agreed.row[_FIELDS.index("left")], agreed.row[_FIELDS.index("right")]
+    pad = (PAD_MODES + LENIENT_PADS)[agreed.row[_FIELDS.index("pad")]]
     if left or right:
-        recv, send, _ = _split_plan(group.rank, lengths, left, right, pad, group.size)
-        placeholder = torch.zeros((sum(send), *slice_shape), dtype=dtype, device=device)
+        recv, send, _ = _split_plan(group.rank, agreed.lengths, left, right, pad, group.size)
+        placeholder = torch.zeros((sum(send), *agreed.shape), dtype=agreed.dtype,
+                                  device=agreed.device)
         statuses = _comm.statuses(_comm.start_flagged_all_to_all(
-            placeholder, recv, send, group, flag=_CHANGED))
-        if set(statuses) != {_CHANGED}:
-            kept = [r for r, f in enumerate(statuses) if f != _CHANGED]
+            placeholder, recv, send, group, flag=CHANGED))
+        if set(statuses) != {CHANGED}:
+            kept = [r for r, f in enumerate(statuses) if f != CHANGED]
             raise HaloError(f"this rank runs this halo layer {what}, but rank(s) {kept} of "
                             "the group run its halo move: every rank must enter it alike")
     for key in keys:

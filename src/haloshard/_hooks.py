@@ -35,13 +35,14 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm, _segments
+from haloshard._agree import Fields, Reuse, check_rows, dtype_code, gather
 from haloshard._compat import (
     enabled_local_tensor_mode,
     maybe_run_for_local_tensor,
 )
 from haloshard._conv import halo_conv, slow_window, taps_layout, with_spare_slice
 from haloshard._errors import HaloError
-from haloshard._exchange import Reuse, _dtype_code, exchange, leave_agreement, shown
+from haloshard._exchange import exchange, leave_agreement
 from haloshard._forward import INSIDE as _INSIDE
 from haloshard._forward import (
     HaloHandle,
@@ -678,12 +679,12 @@ def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None, *, several: bool =
     # of the others waiting.
     row = (_input_row(x, dim) if fits
            else torch.tensor([0, 1] + [-1] * (len(_INPUT_FIELDS) - 2)))
-    rows = _comm.gather_ints(row, _comm.resolve_group((mesh, 0)), "halo input exchange")
+    rows = gather(row, _comm.resolve_group((mesh, 0)), "halo input exchange")
     bad = [r for r, got in enumerate(rows) if got[1]]
     if bad:
         raise HaloError(problem if not fits else f"rank(s) {bad} of the group passed this "
                         f"halo module an input without dim {dim}; expected a tensor with it")
-    _check_inputs(rows)
+    check_rows(rows, _INPUTS, None)
     shape = tuple(sum(r[0] for r in rows) if i == dim else int(s)
                   for i, s in enumerate(x.shape))
     return _Site(x, mesh, 0, None, shape, dim, spare=spare)
@@ -713,18 +714,14 @@ def _input_row(t: torch.Tensor, dim: int) -> torch.Tensor:
     """A plain chunk's row: its length along `dim`, then what every rank must share."""
     d = dim % t.ndim
     sizes = [-1 if i == d else int(n) for i, n in enumerate(t.shape[:8])]
-    return torch.tensor([t.shape[d], 0, t.ndim, _dtype_code(t.dtype), int(t.requires_grad),
+    return torch.tensor([t.shape[d], 0, t.ndim, dtype_code(t.dtype), int(t.requires_grad),
                          int(torch.is_grad_enabled()), *sizes, *[-1] * (8 - len(sizes))])
 
 
-@maybe_run_for_local_tensor
-def _check_inputs(rows: list[list[int]]) -> None:
-    for i, field in enumerate(_INPUT_FIELDS[2:], start=2):
-        values = [r[i] for r in rows]
-        if len(set(values)) > 1:
-            raise HaloError(f"ranks disagree on {field}: {shown(field, values)} (rank by "
-                            "rank); every rank must pass this halo module a plain chunk "
-                            "that differs only in the length of the sharded dim")
+# A flagged input (field "error") raises with the group's ranks named before the check.
+_INPUTS = Fields(_INPUT_FIELDS, "halo module", "every rank must pass this halo module a plain "
+                 "chunk that differs only in the length of the sharded dim",
+                 may_differ=frozenset({"length", "error"}), error=None)
 
 
 def _dtensor_site(x: DTensor, dim: int, *, several: bool = False) -> _Site:

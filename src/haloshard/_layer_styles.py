@@ -43,6 +43,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm, _segments
+from haloshard._agree import Fields, Reuse, check_rows, gather
 from haloshard._attention import gather_many, sdpa
 from haloshard._compat import (
     LocalTensor,
@@ -53,7 +54,7 @@ from haloshard._compat import (
 )
 from haloshard._conv import with_spare_slice
 from haloshard._errors import HaloError
-from haloshard._exchange import Reuse, memory_format
+from haloshard._exchange import memory_format
 from haloshard._forward import (
     ENCLOSING,
     ShardedForward,
@@ -1380,14 +1381,20 @@ def _agree_per_sample(x: DTensor, dim: int, args: tuple[Any, ...], kwargs: dict[
         digest = (sums * order).sum(0).tolist()
     row = torch.tensor([len(plain), *digest])
     axis = list(x.placements).index(Shard(dim))
-    rows = _comm.gather_ints(row, _comm.resolve_group((x.device_mesh, axis)),
-                             "per-sample tensors exchange")
-    if len({tuple(r) for r in rows}) > 1:
-        raise HaloError(f"{name}: ranks disagree on the plain tensors passed beside the "
-                        f"sharded input (ReplicatedArgsParallel takes them as replicated): "
-                        f"counts {[r[0] for r in rows]} rank by rank, or their values, "
-                        "shapes or dtypes differ; expected the same per-sample tensors on "
-                        "every rank")
+    rows = gather(row, _comm.resolve_group((x.device_mesh, axis)),
+                  "per-sample tensors exchange")
+    check_rows(rows, replace(_PER_SAMPLE, prefix=f"{name}: "), None)
+
+
+# The plain tensors beside a sharded input: their count, then a digest of their values,
+# shapes and dtypes (`_checksum`), the same on every rank.
+_PER_SAMPLE = Fields(
+    ("count", "values 0", "values 1", "values 2"), "ReplicatedArgsParallel",
+    "expected the same per-sample tensors on every rank", error=None,
+    show=lambda field, values: (
+        "the plain tensors passed beside the sharded input (ReplicatedArgsParallel takes "
+        "them as replicated): " + ("their counts" if field == "count" else
+                                   "a checksum of their values, shapes and dtypes"), values))
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,10 +21,21 @@ from typing import Any
 import torch
 
 from haloshard import _comm
+from haloshard._agree import (
+    UNSENT,
+    Fields,
+    agree_while_tracing,
+    check_rows,
+    digest,
+    dtype_code,
+    float_bits,
+    from_bits,
+    shown,
+)
 from haloshard._comm import GroupLike
 from haloshard._compat import maybe_run_for_local_tensor
-from haloshard._errors import HaloError, raise_rejected
-from haloshard._exchange import _dtype_code, _length_problem, _tensor_problem, shown
+from haloshard._errors import HaloError
+from haloshard._exchange import _length_problem, _tensor_problem
 from haloshard._layout import shard_sizes
 from haloshard._segments import Segments, local_segments
 from haloshard._tracing import surfaces_errors
@@ -53,7 +63,7 @@ class _Along:
 def _along(dim: int, global_length: int | None, segments: Sequence[int] | None) -> _Along:
     if segments is not None:
         lengths = tuple(int(n) for n in segments)
-        code = zlib.crc32(repr(lengths).encode()) + 1
+        code = digest(lengths) + 1
         return _Along(dim, sum(lengths) if global_length is None else global_length, code)
     return _Along(dim, -1 if global_length is None else global_length, 0)
 _BLOCK = 1024
@@ -86,27 +96,52 @@ def _meta_row(x: Any, groups: Any, eps: Any, weight: Any, bias: Any, error: bool
         return [1.0] + [-1.0] * (len(_META) - 1)
     # a per-rank (simulated) or traced length cannot travel: those ranks run one program
     length = x.shape[along.dim] if _comm.is_eager(x) and along.global_length >= 0 else -1
-    return [0.0, x.ndim, x.shape[0], x.shape[1], groups, _dtype_code(x.dtype), float(eps),
+    return [0.0, x.ndim, x.shape[0], x.shape[1], groups, dtype_code(x.dtype), float(eps),
             weight is not None, bias is not None, x.requires_grad, along.segments,
             along.global_length, length]
+
+
+def _shown(field: str, values: list[Any]) -> tuple[str, list[Any]]:
+    """A field of the statistics' float row as a message shows it: ints but eps."""
+    if field == "segments":  # codes: what they stand for is in the message
+        return "segments (a code of the segment / frame_batches lengths)", values
+    return field, shown(field, [int(v) if field != "eps" else v for v in values])
+
+
+def _shown_traced(field: str, values: list[Any]) -> tuple[str, list[Any]]:
+    """A field of the traced int row as a message shows it: eps from its bits."""
+    return _shown(field, [from_bits(v) for v in values] if field == "eps" else values)
+
+
+_HINT = ("every rank must pass the same num_groups, eps, affine parameters and tensors that "
+         "differ only in the sharded dim")
+_ROW = Fields(_META, "group_norm", _HINT, frozenset({"length"}), "group_norm: ", show=_shown)
+# Under torch.compile: the arguments every rank must share, agreed once per trace (eps as
+# its bits). B and C stay out: a traced size is a symbol (the statistics' row checks them
+# in eager mode).
+_TRACED = Fields(("error", "ndim", "num_groups", "dtype", "eps", "weight", "bias",
+                  "requires_grad", "dim", "segments", "global_length"), "group_norm", _HINT,
+                 prefix="group_norm: ", show=_shown_traced)
 
 
 @maybe_run_for_local_tensor
 def _check_meta(rows: list[list[float]], own: str | None) -> None:
     """The same `HaloError` on every rank when any rank's row is bad or the rows differ."""
-    raise_rejected(own, [row[0] for row in rows], "group_norm")
-    for i, field in enumerate(_META):
-        values = [row[i] for row in rows]
-        if i != _LENGTH and len(set(values)) > 1:
-            ints = [int(v) if field != "eps" else v for v in values]
-            if field == "segments":  # codes: what they stand for is in the message
-                field = "segments (a code of the segment / frame_batches lengths)"
-            raise HaloError(f"group_norm: ranks disagree on {field}: {shown(field, ints)} "
-                            "(rank by rank); "
-                            "every rank must pass the same num_groups, eps, affine "
-                            "parameters and tensors that differ only in the sharded dim")
+    check_rows(rows, _ROW, own)
     _check_lengths([int(row[_LENGTH]) for row in rows], int(rows[0][_META.index(
         "global_length")]))
+
+
+def _agree_traced(x: torch.Tensor, groups: Any, eps: Any, weight: Any, bias: Any,
+                  along: _Along, grp: _comm.Group, problem: str | None) -> None:
+    """Under torch.compile the statistics' row cannot be read in the graph: the ranks
+    agree on the arguments they must share once per trace (`haloshard._agree`). `dim` is
+    sent where it is used: with segments or a global length."""
+    values = None if problem is not None else [
+        0, x.ndim, groups, dtype_code(x.dtype), float_bits(eps), weight is not None,
+        bias is not None, x.requires_grad, along.dim if along.global_length >= 0 else UNSENT,
+        along.segments, along.global_length]
+    agree_while_tracing(values, _TRACED, grp, "group_norm metadata exchange", problem)
 
 
 def _check_lengths(lengths: list[int], global_length: int) -> None:
@@ -424,6 +459,9 @@ def group_norm(
         if segments is not None:
             seg = local_segments(segments, grp.rank, grp.size, dim, _device(x))
         along = _along(dim, global_length, segments)
+    if torch.compiler.is_compiling():
+        problem = problem or _norm_problem(x, num_groups, weight, bias)
+        _agree_traced(x, num_groups, eps, weight, bias, along, grp, problem)
     return _GroupNormFn.apply(x, weight, bias, num_groups, eps, grp, seg, more, along,
                               problem)
 

@@ -7,7 +7,6 @@ sums the parameters' per-rank partial gradients over the cp axis for users witho
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 
 import torch
@@ -18,6 +17,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 from haloshard import _comm
+from haloshard._agree import Fields, check_rows, digest, gather
 from haloshard._errors import HaloError
 from haloshard._forward import (
     HaloHandle,
@@ -263,18 +263,26 @@ def _grads_problem(named: list[tuple[str, nn.Parameter]]) -> str | None:
 
 
 def _signature(named: list[tuple[str, nn.Parameter]]) -> int:
-    """A checksum of the parameters that require grad: names, shapes and dtypes."""
-    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named)
-    return zlib.crc32(text.encode())
+    """A digest of the parameters that require grad: names, shapes and dtypes."""
+    return digest(";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named))
+
+
+# Every rank's trainable parameters, agreed before their gradients are summed.
+_PARAMS = Fields(("error", "count", "signature"), "reduce_grads", "every rank must hold the "
+                 "same model with the same frozen parameters", prefix="reduce_grads: ",
+                 show=lambda field, values: (
+                     "the parameters that require grad (their count)" if field == "count"
+                     else "the parameters that require grad (a digest of their names, shapes "
+                     "and dtypes)", values))
 
 
 def _agree_params(named: list[tuple[str, nn.Parameter]], group: _comm.Group) -> list[bool]:
     """Which parameters have a gradient on some rank, after every rank has agreed on the
-    parameter list; `HaloError` on every rank otherwise."""
+    parameter list (`haloshard._agree`); `HaloError` on every rank otherwise."""
     problem = _grads_problem(named)
     row = torch.tensor([int(problem is not None), len(named), _signature(named)])
     try:
-        rows = _comm.gather_ints(row, group, "reduce_grads metadata exchange")
+        rows = gather(row, group, "reduce_grads metadata exchange")
     except HaloError as error:
         if not isinstance(error.__cause__, RuntimeError):  # not the backend's timeout
             raise
@@ -284,21 +292,11 @@ def _agree_params(named: list[tuple[str, nn.Parameter]], group: _comm.Group) -> 
                         "backwards on every rank: a rank that ran an extra forward (e.g. "
                         "under torch.no_grad()) or skipped one waits in that layer's "
                         "collective, which reduce_grads' collectives cannot meet") from error
-    if problem is not None:
-        raise HaloError(problem)
-    bad = [r for r, got in enumerate(rows) if got[0]]
-    if bad:
-        raise HaloError(f"reduce_grads: rank(s) {bad} rejected their gradients (see the error "
-                        "on those ranks)")
-    if len({(n, sig) for _, n, sig in rows}) > 1:
-        raise HaloError(
-            "reduce_grads: ranks disagree on the parameters that require grad (counts "
-            f"{[got[1] for got in rows]} rank by rank, or their names, shapes or dtypes "
-            "differ): every rank must hold the same model with the same frozen parameters")
+    check_rows(rows, _PARAMS, problem)
     mask = torch.tensor([int(p.grad is not None) for _, p in named], dtype=torch.int64)
     if not named:
         return []
-    seen = _comm.gather_ints(mask, group, "reduce_grads gradient-presence exchange")
+    seen = gather(mask, group, "reduce_grads gradient-presence exchange")
     return [any(got[i] for got in seen) for i in range(len(named))]
 
 

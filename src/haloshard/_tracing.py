@@ -9,7 +9,8 @@ Dynamo traces through haloshard's pure planners and its argument checks. Two thi
   as a `HaloError` that dynamo lets through.
 - an agreement between ranks cannot run inside a graph without sending metadata on every
   call; `runs_while_tracing` runs it once, for real, while dynamo traces (every rank traces
-  the same calls in the same order), and the graph keeps its result as a constant.
+  the same calls in the same order), and the graph keeps its result as a constant
+  (`haloshard._agree.agree_while_tracing`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ slices come from a small all-gather. `packed(cu_seqlens)` makes halo conv layers
 
 from __future__ import annotations
 
-import zlib
+import operator
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from haloshard import _comm
+from haloshard._agree import Fields, agree_while_tracing, check_rows, digest, gather
 from haloshard._comm import Group, GroupLike
 from haloshard._compat import maybe_run_for_local_tensor
-from haloshard._errors import HaloError, raise_rejected
+from haloshard._errors import HaloError
 from haloshard._exchange import halo_exchange
 from haloshard._layout import F_PAD_MODES, PAD_MODES, check_pad_fits, shard_sizes
 from haloshard._tracing import planner_cache, surfaces_errors
@@ -298,38 +299,60 @@ def _conv_args(x: object, weight: object, dim: object, left: int | None, right: 
     return _ConvArgs(dim, strides, tuple(pairs), dils, groups, str(pad))
 
 
-@maybe_run_for_local_tensor
-def _row(x: object, dim: int, problem: bool, cu: tuple[int, ...]) -> torch.Tensor:
-    length = x.shape[dim] if isinstance(x, torch.Tensor) and not problem else -1
-    crc = zlib.crc32(repr(cu).encode())
-    return torch.tensor([int(problem), crc, length], dtype=torch.int64)
+# Every rank's row: its error flag, a digest of its boundaries, its chunk length (the one
+# field that may differ) and the static arguments the halo exchange's own row does not hold.
+_ROW = Fields(("error", "cu_seqlens", "length", "pad", "kernel", "dilation", "left", "right"),
+              "varlen_conv", "every rank must pass the same global document boundaries and "
+              "conv arguments", may_differ=frozenset({"length"}),
+              show=lambda field, values: (
+                  ("cu_seqlens (a digest of the boundaries)", values) if field == "cu_seqlens"
+                  else (field, [PAD_MODES[v] for v in values] if field == "pad" else values)))
+
+
+def _row_values(x: object, weight: object, args: _ConvArgs | None, cu: tuple[int, ...],
+                problem: bool) -> list[Any] | None:
+    """This rank's row (None: only its error flag); the length is a size (a symbol when
+    traced)."""
+    if problem or args is None or not isinstance(x, torch.Tensor) or not isinstance(
+            weight, torch.Tensor):
+        return None
+    lo, hi = args.pairs[args.along]
+    return [0, digest(tuple(operator.index(v) for v in cu)), x.shape[args.dim],
+            PAD_MODES.index(args.pad), weight.shape[args.dim], args.dilation[args.along], lo,
+            hi]
 
 
 @maybe_run_for_local_tensor
-def _check_rows(rows: list[list[int]], problem: str | None) -> None:
-    raise_rejected(problem, [row[0] for row in rows], "varlen_conv")
-    if len({row[1] for row in rows}) > 1:
-        raise HaloError("ranks disagree on cu_seqlens: every rank must pass the same global "
-                        "document boundaries")
+def _row(x: object, weight: object, args: _ConvArgs | None, cu: tuple[int, ...],
+         problem: bool) -> torch.Tensor:
+    """`_row_values` as the int64 row to gather (per simulated rank: lengths differ)."""
+    values = _row_values(x, weight, args, cu, problem)
+    return torch.tensor(_ROW.error_row() if values is None else values, dtype=torch.int64)
 
 
-def _lengths(x: object, dim: int, cu: tuple[int, ...], problem: str | None, group: Group,
-             global_length: int | None) -> tuple[int, ...]:
-    """Every rank's chunk length, after all ranks agreed on the arguments and boundaries.
-    Under torch.compile nothing can be exchanged: the split of `cu_seqlens[-1]`."""
+def _lengths(x: object, weight: object, args: _ConvArgs | None, cu: tuple[int, ...],
+             problem: str | None, group: Group, global_length: int | None
+             ) -> tuple[int, ...]:
+    """Every rank's chunk length, after all ranks agreed on the arguments and boundaries
+    (`haloshard._agree`). Under torch.compile, the split of `cu_seqlens[-1]`, agreed once
+    per trace: `cu_seqlens` is a list or tuple of ints there, a constant of the trace (a
+    changed one retraces and agrees again); a tensor is refused, as its values could only
+    be agreed by a new collective in every compiled call."""
     total = cu[-1] if problem is None else -1
     if problem is None and global_length is not None and global_length != total:
         problem = f"global_length={global_length} but cu_seqlens ends at {total}"
     if torch.compiler.is_compiling():
-        if problem is not None:
-            raise HaloError(problem)
+        values = _row_values(x, weight, args, cu, problem is not None)
+        agree_while_tracing(values, _ROW, group, "varlen_conv metadata exchange", problem,
+                            {_ROW.at("length")})
         return shard_sizes(total, group.size)
-    rows = _comm.gather_ints(_row(x, dim, problem is not None, cu), group,
-                             "varlen_conv metadata exchange")
-    _check_rows(rows, problem)
-    lengths = tuple(row[2] for row in rows)
+    rows = gather(_row(x, weight, args, cu, problem is not None), group,
+                  "varlen_conv metadata exchange")
+    check_rows(rows, _ROW, problem)
+    assert args is not None  # a problem raised on every rank
+    lengths = tuple(row[_ROW.at("length")] for row in rows)
     if sum(lengths) != total:
-        raise HaloError(f"cu_seqlens ends at {total} but the chunks along dim {dim} add up to "
+        raise HaloError(f"cu_seqlens ends at {total} but the chunks along dim {args.dim} add up to "
                         f"{sum(lengths)} (lengths {list(lengths)}); expected the global length")
     return lengths
 
@@ -434,8 +457,7 @@ def varlen_conv(
         problem = problem or _document_problem(cu, *args.pairs[args.along], args.pad)
     except HaloError as error:
         problem = problem or str(error)
-    at = args.dim if args is not None else 2
-    lengths = _lengths(x, at, cu, problem, grp, global_length)
+    lengths = _lengths(x, weight, args, cu, problem, grp, global_length)
     assert args is not None  # a problem raised on every rank
     lo, hi = args.pairs[args.along]
     g = _Geometry(cu, lengths, weight.shape[args.dim], args.dilation[args.along], lo, hi,
