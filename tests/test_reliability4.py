@@ -6,6 +6,9 @@
   torch.Tensor and DTensor" from C++ before); a user's module, a layer whose parameters
   are DTensors, a model without haloshard styles and torch's `implicit_replication()` keep
   torch's behaviour;
+- one rank running an extra forward (under `no_grad`, or with grad) while the others call
+  `reduce_grads` raises on every rank at once (every rank waited for the process group's
+  timeout before), and the ranks can go on training, exactly.
 Every distributed case records what each rank raised and how long it took, on real gloo
 processes with uneven shards, 2 and 4 ranks.
 """
@@ -18,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -28,9 +32,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from haloshard import HaloError, HaloParallel, verify_plan
+from haloshard import HaloError, HaloParallel, reduce_grads, set_timeout, verify_plan
 from haloshard.testing import (
     GlooWorld,
+    counted_collectives,
+    shard,
     simulated_mesh,
     worker_mesh,
 )
@@ -209,4 +215,139 @@ def test_left_out_layer_named_on_every_rank(request: pytest.FixtureRequest, size
     results = _world(request, size).run(left_out_on_every_rank, size, name)
     for rank, (text, seconds) in enumerate(results):
         assert re.match(f"MissingEntryError: {_named(name)[1:]}", text), (rank, text)
+        assert seconds < AT_ONCE_S, (rank, seconds)
+
+
+# ---------------------------------------------------------------- an extra forward
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)  # the same weights on every rank
+    return nn.Sequential(nn.Conv1d(2, 3, 3, padding=1), nn.Conv1d(3, 2, 3, padding=1)).double()
+
+
+def _full() -> torch.Tensor:
+    # 7 frames: 4+3 on 2 ranks, 2+2+2+1 on 4 (uneven)
+    return torch.randn(1, 2, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+def _reference() -> list[torch.Tensor]:
+    """The parameter gradients of one single-device step."""
+    model = _model()
+    model(_full()).sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+def extra_forward_then_reduce_grads(world: int, case: str, steps: int) -> dict[str, object]:
+    """`steps` agreed training steps, then the last rank (or, `case` "two_extra", the
+    last two) runs one more forward while the others call reduce_grads; then one agreed
+    step more. What each rank raised and how long it took; the later step's gradients
+    against one device; the collectives a steady forward and reduce_grads issue.
+    `case` "fresh": set_timeout first, as a fresh run does (after it, the first step's
+    forward tells reduce_grads which move opens it; otherwise the step before does)."""
+    rank, mesh = dist.get_rank(), worker_mesh(world)
+    if case == "fresh":
+        set_timeout(mesh, 60)
+    model = _model()
+    parallelize_module(model, mesh, {"0": HaloParallel(), "1": HaloParallel()})
+    full = _full()
+
+    def forward() -> torch.Tensor:
+        local = shard(full, 2, world, rank)
+        x = DTensor.from_local(local, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
+        return model(x).to_local()
+
+    counts = {}
+    for step in range(steps):
+        model.zero_grad()
+        with counted_collectives() as calls:
+            y = forward()
+        counts[f"forward {step}"] = dict(calls)
+        y.sum().backward()
+        with counted_collectives() as calls:
+            reduce_grads(model, mesh)
+        counts[f"reduce_grads {step}"] = dict(calls)
+    extra = {rank for rank in range(world)[-2 if case == "two_extra" else -1:]}
+
+    def wrong_step() -> None:
+        if rank in extra:
+            with torch.no_grad() if case != "with_grad" else torch.enable_grad():
+                forward()
+        reduce_grads(model, mesh)
+
+    got = _outcome(wrong_step)
+    model.zero_grad()
+    forward().sum().backward()
+    reduce_grads(model, mesh)
+    # reduced: sums over ranks of partial sums, in float64; one device sums in another order
+    exact = all(torch.allclose(p.grad, g, rtol=1e-12, atol=1e-12)
+                for p, g in zip(model.parameters(), _reference(), strict=True))
+    return {"outcome": got, "afterwards exact": exact, "counts": counts}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("case, steps", [("no_grad", 2), ("with_grad", 2), ("two_extra", 2)])
+def test_extra_forward_before_reduce_grads_raises_at_once(
+        request: pytest.FixtureRequest, size: int, case: str, steps: int) -> None:
+    if case == "two_extra" and size == 2:
+        pytest.skip("two extra ranks of two: no rank calls reduce_grads")
+    results = _world(request, size).run(extra_forward_then_reduce_grads, size, case, steps)
+    extra = range(size)[-2 if case == "two_extra" else -1:]
+    wants = {True: r"rank\(s\) \[.*\] of the group called reduce_grads while this rank runs "
+                   "this halo layer's forward",
+             False: r"reduce_grads: rank\(s\) \[.*\] of the group ran a forward \(0 "
+                    r"\(Conv1d\) layer's halo move\) while this rank called reduce_grads"}
+    for rank, got in enumerate(results):
+        text, seconds = got["outcome"]
+        assert text.startswith("HaloError: ") and re.search(wants[rank in extra], text), (
+            rank, text)
+        assert seconds < AT_ONCE_S, (rank, seconds, text)
+        assert got["afterwards exact"], rank
+
+
+@pytest.mark.gloo
+def test_extra_forward_after_the_first_step_raises_at_once() -> None:
+    """A fresh world, set_timeout, one training step, then the extra forward."""
+    with GlooWorld(2, pg_timeout=60, timeout=180) as fresh:
+        results = fresh.run(extra_forward_then_reduce_grads, 2, "fresh", 1)
+    for rank, got in enumerate(results):
+        text, seconds = got["outcome"]
+        assert re.match(r"HaloError: .*rank\(s\) \[[01]\] of the group", text), (rank, text)
+        assert seconds < AT_ONCE_S, (rank, seconds, text)
+        assert got["afterwards exact"], rank
+
+
+@pytest.mark.gloo
+def test_reduce_grads_costs_one_move_and_forwards_none(two: GlooWorld) -> None:
+    """A steady forward issues only its halo moves; reduce_grads one all-to-all more than
+    before (placeholder rows of the first layer's halo), then its gathers and all-reduce."""
+    for got in two.run(extra_forward_then_reduce_grads, 2, "no_grad", 2):
+        assert got["counts"]["forward 1"] == {"all_to_all_single": 2}, got["counts"]
+        assert got["counts"]["reduce_grads 1"] == {
+            "all_to_all_single": 1, "all_gather_single": 2, "all_reduce": 1}, got["counts"]
+
+
+def plain_input_extra_forward() -> tuple[str, float]:
+    """A plain-chunk input (each call gathers a row first): the extra forward's gather meets
+    reduce_grads' own, which raises at once as before (no move joined)."""
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    model = _model()
+    parallelize_module(model, mesh, {"0": HaloParallel(), "1": HaloParallel()})
+    local = shard(_full(), 2, 2, rank)
+    for _ in range(2):
+        model(local).sum().backward()
+        reduce_grads(model, mesh)
+
+    def wrong_step() -> None:
+        if rank == 1:
+            with torch.no_grad():
+                model(local)
+        reduce_grads(model, mesh)
+
+    return _outcome(wrong_step)
+
+
+@pytest.mark.gloo
+def test_extra_forward_of_a_plain_input_raises_at_once(two: GlooWorld) -> None:
+    for rank, (text, seconds) in enumerate(two.run(plain_input_extra_forward)):
+        assert re.search(r"ranks are in different collectives", text), (rank, text)
         assert seconds < AT_ONCE_S, (rank, seconds)

@@ -189,6 +189,8 @@ def _agree(
             and enabled_local_tensor_mode() is None):
         key, signature = (reuse[1], id(group.pg)), (reuse[2], left, right, pad, dim,
                                                      global_length)
+        if left or right:  # this site's move may open a forward (see `join_agreed_move`)
+            _comm.opens(group, (reuse[0], key, _comm.current_label))
         if key in reuse[0]:
             agreed = _reuse_agreed(x, left, right, dim, pad, transport, group,
                                    global_length, reuse[0][key], signature, problem)
@@ -293,6 +295,7 @@ def _reuse_agreed(
                         "call at all (an extra forward on this rank, e.g. under "
                         "torch.no_grad(), while they call reduce_grads or another layer), "
                         "they wait in a collective this move cannot meet") from error
+    _comm.check_reducing(statuses)
     if problem is None and set(statuses) == {_CHANGED}:
         return None
     kept = [r for r, f in enumerate(statuses) if f == 0]
@@ -310,20 +313,35 @@ def leave_agreement(store: dict[Any, Any], group: Group, what: str) -> None:
     keys = [k for k in store if k[1] == id(group.pg)]
     if not keys:
         return
-    row, lengths, dtype, slice_shape, device, _ = store[keys[-1]]
-    left, right = row[_FIELDS.index("left")], row[_FIELDS.index("right")]
-    pad = (PAD_MODES + LENIENT_PADS)[row[_FIELDS.index("pad")]]
-    if left or right:
-        recv, send, _ = _split_plan(group.rank, lengths, left, right, pad, group.size)
-        placeholder = torch.zeros((sum(send), *slice_shape), dtype=dtype, device=device)
-        statuses = _comm.statuses(_comm.start_flagged_all_to_all(
-            placeholder, recv, send, group, flag=_CHANGED))
-        if set(statuses) != {_CHANGED}:
-            kept = [r for r, f in enumerate(statuses) if f != _CHANGED]
-            raise HaloError(f"this rank runs this halo layer {what}, but rank(s) {kept} of "
-                            "the group run its halo move: every rank must enter it alike")
+    statuses = join_agreed_move(store, keys[-1], group, _CHANGED)
+    _comm.check_reducing(statuses)
+    if set(statuses) - {_CHANGED}:
+        kept = [r for r, f in enumerate(statuses) if f != _CHANGED]
+        raise HaloError(f"this rank runs this halo layer {what}, but rank(s) {kept} of "
+                        "the group run its halo move: every rank must enter it alike")
     for key in keys:
         del store[key]
+
+
+def join_agreed_move(store: dict[Any, Any], key: Hashable, group: Group, flag: int
+                     ) -> list[int]:
+    """Join the halo move agreed at `store[key]` on `group` with placeholder rows and
+    status `flag`, as a rank does whose call there changed (`_reuse_agreed`), and return
+    every rank's status; [] when there is no such agreement or it moves nothing. For a
+    rank that runs no forward there now: `leave_agreement`, and `reduce_grads`, which
+    joins the move that opened the last forward (`_comm.opening`) with `_comm.REDUCING`,
+    so a peer running an extra forward meets it there and both raise at once."""
+    if key not in store:
+        return []
+    row, lengths, dtype, slice_shape, device, _ = store[key]
+    left, right = row[_FIELDS.index("left")], row[_FIELDS.index("right")]
+    pad = (PAD_MODES + LENIENT_PADS)[row[_FIELDS.index("pad")]]
+    if not (left or right):
+        return []
+    recv, send, _ = _split_plan(group.rank, lengths, left, right, pad, group.size)
+    placeholder = torch.zeros((sum(send), *slice_shape), dtype=dtype, device=device)
+    return _comm.statuses(_comm.start_flagged_all_to_all(placeholder, recv, send, group,
+                                                         flag=flag))
 
 
 def shown_row(row: list[int]) -> dict[str, Any]:

@@ -132,6 +132,7 @@ class ShardedForward:
             try:
                 return self.sharded(*args, **kwargs)
             except HaloError as error:
+                _comm.forget_openings()  # the ranks may have opened this forward unlike
                 raise named(error, name) from error
 
     def sharded(self, *args: Any, **kwargs: Any) -> Any:

@@ -19,6 +19,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from haloshard import _comm
 from haloshard._errors import HaloError
+from haloshard._exchange import join_agreed_move
 from haloshard._forward import (
     HaloHandle,
     check_layouts,
@@ -278,12 +279,11 @@ def _agree_params(named: list[tuple[str, nn.Parameter]], group: _comm.Group) -> 
     except HaloError as error:
         if not isinstance(error.__cause__, RuntimeError):  # not the backend's timeout
             raise
-        # A peer in another collective: no prompt error can tell which without a metadata
-        # collective in every forward (see docs/failures.md), so the timeout names it.
+        # A peer in a collective of another kind (see docs/failures.md): the timeout.
         raise HaloError(f"{error}. reduce_grads must follow the same forwards and "
-                        "backwards on every rank: a rank that ran an extra forward (e.g. "
-                        "under torch.no_grad()) or skipped one waits in that layer's "
-                        "collective, which reduce_grads' collectives cannot meet") from error
+                        "backwards on every rank: a rank that ran an extra forward or "
+                        "skipped one may wait in a collective of a layer, which "
+                        "reduce_grads' collectives cannot meet") from error
     if problem is not None:
         raise HaloError(problem)
     bad = [r for r, got in enumerate(rows) if got[0]]
@@ -302,6 +302,29 @@ def _agree_params(named: list[tuple[str, nn.Parameter]], group: _comm.Group) -> 
     return [any(got[i] for got in seen) for i in range(len(named))]
 
 
+def _meet_forwards(model: nn.Module, site: tuple[dict[object, object], object, str | None]
+                   | None, group: _comm.Group) -> None:
+    """Join the halo move that opened `model`'s last forward on `group` (`_comm.opening`),
+    where a peer that runs an extra forward starts: it receives `REDUCING` and raises;
+    every rank here sees its status and raises too, at once (no metadata in any forward).
+    Nothing when no such move opened it: a forward that opens with a gather meets
+    reduce_grads' own gathers, and another model's move may not be the one a peer runs."""
+    if site is None:
+        return
+    store, key, label = site
+    stores = (getattr(m.__dict__.get("forward"), "agreed", None) for m in model.modules())
+    if not any(found is store for found in stores):
+        return
+    statuses = join_agreed_move(store, key, group, _comm.REDUCING)
+    others = [r for r, status in enumerate(statuses) if status != _comm.REDUCING]
+    if others:
+        raise HaloError(
+            f"reduce_grads: rank(s) {others} of the group ran a forward ({label or 'a halo'}"
+            " layer's halo move) while this rank called reduce_grads: every rank must run "
+            "the same forwards and backwards before reduce_grads (an extra forward on those "
+            "ranks, e.g. under torch.no_grad(), or one this rank skipped)")
+
+
 def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | None = None
                  ) -> None:
     """Sum every parameter's gradient over the cp ranks, in place (one all-reduce per dtype).
@@ -311,7 +334,10 @@ def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | N
     A gradient that is None on every rank stays None (an optimizer then leaves that
     parameter alone, as on one device); one that exists on some ranks only counts as zeros
     on the others. Two small all-gathers first check that every rank holds the same
-    trainable parameters (names, shapes, dtypes) and learn which have gradients.
+    trainable parameters (names, shapes, dtypes) and learn which have gradients. Before
+    them it joins the halo move that opened the last forward (placeholder rows of that
+    layer's halo, once per call), where a rank running an extra forward instead starts: it
+    raises there, and so does every rank here, at once.
 
     Args:
         model: the model after `backward()`.
@@ -320,7 +346,8 @@ def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | N
 
     Raises:
         HaloError: on every rank, when the ranks' trainable parameters differ (a parameter
-            frozen on one rank, another dtype) or a gradient does not match its parameter.
+            frozen on one rank, another dtype) or a gradient does not match its parameter,
+            or when a rank runs a forward instead (an extra one, e.g. under no_grad).
 
     Example::
         >>> model = parallelize_module(nn.Sequential(nn.Conv3d(3, 8, 3, padding=1)), mesh,
@@ -331,7 +358,17 @@ def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | N
     """
     group = _comm.resolve_group(mesh if mesh_axis is None else (mesh, mesh_axis))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    present = _agree_params(named, group)
+    site = _comm.opening(group)
+    try:
+        _meet_forwards(model, site, group)
+        _sum_grads(named, _agree_params(named, group), group)
+    finally:
+        _comm.reopen(group, site)  # the next forward opens afresh, not these collectives
+
+
+def _sum_grads(named: list[tuple[str, nn.Parameter]], present: list[bool],
+               group: _comm.Group) -> None:
+    """Sum the gradients that exist on some rank (`present`) over `group`, in place."""
     params = [p for (_, p), has in zip(named, present, strict=True) if has]
     for p in params:
         if p.grad is None:
