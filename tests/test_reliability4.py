@@ -32,7 +32,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from haloshard import HaloError, HaloParallel, reduce_grads, set_timeout, verify_plan
+from haloshard import (
+    GroupNormParallel,
+    HaloError,
+    HaloParallel,
+    reduce_grads,
+    set_timeout,
+    verify_plan,
+)
 from haloshard.testing import (
     GlooWorld,
     counted_collectives,
@@ -107,6 +114,19 @@ def test_left_out_layer_is_named(name: str) -> None:
             _left_out(name, mesh, 7)
         assert isinstance(got.value, RuntimeError)
     assert not torch.nn.modules.module._global_forward_pre_hooks  # no process-wide hook
+
+
+@pytest.mark.simulated
+def test_only_unstyled_known_layers_carry_the_hook() -> None:
+    """The hook sits on torch layers the plan left out, not on planned ones (a later plan
+    entry drops it), nor on layers it does not know."""
+    with simulated_mesh(2) as mesh:
+        model = nn.Sequential(nn.Conv3d(4, 4, 3, padding=1), nn.GroupNorm(2, 4),
+                              nn.Linear(3, 3), ToLocalNorm(2, 4), nn.SiLU())
+        parallelize_module(model, mesh, {"0": HaloParallel(), "1": GroupNormParallel()})
+    hooked = [i for i, m in enumerate(model) if any(
+        getattr(h, "haloshard_gap", False) for h in m._forward_pre_hooks.values())]
+    assert hooked == [2]
 
 
 @pytest.mark.simulated

@@ -41,7 +41,7 @@ from torch.utils.hooks import RemovableHandle
 
 from haloshard import _comm
 from haloshard._errors import HaloError, named
-from haloshard._plan_gaps import guard, guard_running, watch
+from haloshard._plan_gaps import guard, guard_running, unguard, watch
 from haloshard._tracing import surfaces_errors
 
 _HANDLE = "_haloshard_handle"
@@ -280,6 +280,7 @@ def install(module: nn.Module, forward: Any, saved: dict[str, Any] | None = None
     forward.name = module_name(module)
     module.forward = forward
     guard(planned_model())  # the plan's other modules, named if left out (`_plan_gaps`)
+    unguard(module)
     handle = HaloHandle(module, {} if saved is None else saved, forward.previous)
     setattr(module, _HANDLE, handle)
     return handle

@@ -20,7 +20,7 @@ Embedding, ...; convs are named above) a forward pre-hook that raises the same n
 when that module is about to meet DTensor's refusal: a DTensor input beside a plain
 parameter or buffer. Only those classes, whose forward is torch's own and known: a user's
 module may call `to_local()` itself. The hook costs about a microsecond per call of such a
-module; a model without haloshard styles gets none.
+module (a styled module drops it); a model without haloshard styles gets none.
 """
 
 from __future__ import annotations
@@ -140,6 +140,14 @@ def guard(root: nn.Module | None) -> None:
     for fqn, module in root.named_modules():
         if _runs_known_forward(module) and not _guarded(module):
             module.register_forward_pre_hook(_refusing(fqn), with_kwargs=True)
+
+
+def unguard(module: nn.Module) -> None:
+    """Drop the pre-hook from a module a style runs now (the hook would return at once):
+    planned modules keep torch's hook-free call."""
+    hooks = forward_pre_hooks(module)
+    for key in [k for k, h in hooks.items() if getattr(h, "haloshard_gap", False)]:
+        del hooks[key]
 
 
 def guard_running() -> None:
