@@ -511,10 +511,9 @@ def test_two_axes_change_on_one_rank(gloo: Callable[[int], Any], case: str) -> N
 
 def extra_forward_then_reduce_grads() -> dict[str, Any]:
     """After agreed training steps, rank 1 alone runs an extra no_grad forward, then every
-    rank calls reduce_grads: rank 1 waits in the layer's halo move, the others in
-    reduce_grads' gather. No abort (yesterday: SIGABRT): HaloError on both ranks within
-    the group's timeout (10 s here), naming the collective each waited in. Not at once:
-    the two wait in collectives of different kinds, which no flag can ride in."""
+    rank calls reduce_grads: no abort (before: SIGABRT), HaloError on both ranks at once
+    (before: at the group's timeout, 10 s here): reduce_grads joins the layer's halo move
+    with its status (tests/test_reliability4.py)."""
     case = _Conv("conv1d")
     case.call()
     case.call()
@@ -543,5 +542,5 @@ def test_extra_forward_on_one_rank_does_not_abort() -> None:
         results = world.run(extra_forward_then_reduce_grads, timeout=120)
     for got in results:
         assert got["text"].startswith("HaloError: "), got
-        assert "did not complete" in got["text"], got
-        assert got["seconds"] < 40, got  # the 10 s timeout, with margin for load
+        assert "did not complete" not in got["text"] and "reduce_grads" in got["text"], got
+        assert got["seconds"] < AT_ONCE_S, got

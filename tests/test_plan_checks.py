@@ -146,11 +146,12 @@ def run_with_missing_norm(mesh: Any) -> None:
 
 
 @pytest.mark.simulated
-def test_missing_entry_keeps_torch_error_at_run_time() -> None:
-    """No process-wide hook rewrites errors: a plain run raises DTensor's own error (every
-    rank alike, see the gloo test); `verify_plan` names the module and its entry."""
+def test_missing_entry_named_at_run_time() -> None:
+    """A plain run names the norm left out (DTensor's own unnamed error before, issue
+    #26), still a RuntimeError; no process-wide hook (see tests/test_reliability4.py)."""
     with simulated_mesh(2) as mesh, pytest.raises(
-            RuntimeError, match=r"^aten\.native_group_norm\.default got mixed torch\.Tensor"):
+            RuntimeError, match=r"^blocks\.1\.norm \(GroupNorm\) has no plan entry: .*got "
+                                r"mixed torch\.Tensor and DTensor"):
         run_with_missing_norm(mesh)
     assert not torch.nn.modules.module._global_forward_hooks
 
@@ -194,11 +195,11 @@ def missing_norm_on_rank() -> tuple[str, float]:
 
 @pytest.mark.gloo
 def test_missing_entry_named_on_every_rank(gloo: Callable[[int], Any]) -> None:
-    """Real processes: every rank raises DTensor's error at once; none is left waiting."""
+    """Real processes: every rank raises the named error at once; none is left waiting."""
     outcomes = gloo(3).run(missing_norm_on_rank, timeout=120)
     for rank, (text, seconds) in enumerate(outcomes):
-        assert text.startswith("RuntimeError: aten.native_group_norm.default got mixed"), \
-            (rank, text)
+        assert text.startswith("MissingEntryError: blocks.1.norm (GroupNorm) has no plan "
+                               "entry"), (rank, text)
         assert seconds < AT_ONCE_S, (rank, seconds)
 
 

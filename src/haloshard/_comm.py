@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from haloshard._compat import (
     dist_reduce_scatter_single,
     enabled_local_tensor_mode,
     functional_broadcast,
+    in_backward,
     maybe_run_for_local_tensor,
     reduce_scatter_single,
     resolve_process_group,
@@ -53,6 +55,18 @@ Rows = torch.Tensor | list[torch.Tensor]
 # What the collective in flight is for (e.g. a module's fqn), named in timeout errors. A
 # plain module-level value: set by whoever runs a layer (the hooks), read only on errors.
 current_label: str | None = None
+# The status `reduce_grads` sends in the halo move that opened the group's last forward
+# (`opening`), so that a peer running a forward instead meets it there and both raise.
+REDUCING = 3
+# Per group (weakly: a destroyed group's id may be reused): the halo site whose agreed move
+# was the group's first collective outside a backward since a backward, `reduce_grads`,
+# `set_timeout` or a layer's error last ran on it (None: another kind of collective came
+# first); the groups whose first such collective since then has run; and the groups whose
+# last collective ended a step (ran in a backward, or was `reduce_grads`'), so that no
+# peer can be in a backward still.
+_OPENINGS: weakref.WeakKeyDictionary[dist.ProcessGroup, Any] = weakref.WeakKeyDictionary()
+_OPENED: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+_AFTER_BACKWARD: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 
 @contextlib.contextmanager
@@ -83,6 +97,49 @@ def waited(collective: str, fn: Callable[[], _T]) -> _T:
             "run a call this rank did not, such as an extra forward?), "
             f"or the group is broken. Backend said: {first}"
         ) from exc
+
+
+def opens(group: Group, site: Any = None) -> None:
+    """Note a collective about to start on `group`: the agreed halo move of `site` (its
+    store, key and label), or any other collective (None). The first outside a backward
+    since a backward, `reduce_grads`, `set_timeout` or a layer's error last ran on the
+    group is the one a forward starts with (see `opening`). Eager, real groups only: a
+    compiled or simulated run has no rank running alone."""
+    if torch.compiler.is_compiling() or enabled_local_tensor_mode() is not None:
+        return
+    if in_backward():
+        if current_label is None:  # not a layer timing its formulations inside a forward
+            _AFTER_BACKWARD.add(group.pg)
+            _OPENED.discard(group.pg)  # the next forward opens afresh
+        return
+    _AFTER_BACKWARD.discard(group.pg)
+    if group.pg not in _OPENED:
+        _OPENED.add(group.pg)
+        _OPENINGS[group.pg] = site
+
+
+def opening(group: Group) -> Any:
+    """The halo site whose agreed move opened the group's last forward, or None; None also
+    when this rank's last collective on the group was a forward's (it skipped a backward,
+    say): a peer may then be in a backward's move, which meeting the forward's move with
+    other sizes would abort (gloo), where a collective of another kind only waits."""
+    return _OPENINGS.get(group.pg) if group.pg in _AFTER_BACKWARD else None
+
+
+def forget_openings() -> None:
+    """After a layer raised (on every rank, each from the same agreement): the ranks may
+    have opened that forward with different collectives; the next forward opens afresh."""
+    if not torch.compiler.is_compiling():
+        _OPENED.clear()
+
+
+def reopen(group: Group, site: Any) -> None:
+    """After `reduce_grads` or `set_timeout`: the next collective on `group` opens the next
+    forward; until it runs, the opening stays `site` (what was there before, not their own
+    collectives)."""
+    _OPENED.discard(group.pg)
+    _OPENINGS[group.pg] = site
+    _AFTER_BACKWARD.add(group.pg)
 
 
 def set_timeout(group: GroupLike, timeout: float | timedelta) -> None:
@@ -119,10 +176,26 @@ def set_timeout(group: GroupLike, timeout: float | timedelta) -> None:
         if problem is not None:
             raise HaloError(problem)
     else:
-        _check_timeouts(_gather_timeouts(delta, problem, groups), problem, ranks)
+        with _outside_forwards(groups):
+            _check_timeouts(_gather_timeouts(delta, problem, groups), problem, ranks)
     assert delta is not None  # a problem raised above
     for grp in groups:
         grp.pg.set_timeout(delta)
+
+
+@contextlib.contextmanager
+def _outside_forwards(groups: list[Group]) -> Iterator[None]:
+    """Collectives that open no forward (`set_timeout`'s): each group's opening and
+    whether its last collective ended a step are as before them."""
+    saved = [(g, _OPENINGS.get(g.pg), g.pg in _OPENED, g.pg in _AFTER_BACKWARD)
+             for g in groups]
+    try:
+        yield
+    finally:
+        for g, site, opened, after in saved:
+            _OPENINGS[g.pg] = site
+            (_OPENED.add if opened else _OPENED.discard)(g.pg)
+            (_AFTER_BACKWARD.add if after else _AFTER_BACKWARD.discard)(g.pg)
 
 
 def _gather_timeouts(delta: timedelta | None, problem: str | None, groups: list[Group]
@@ -316,10 +389,24 @@ def check_flags(flags: torch.Tensor, what: str) -> None:
     if flags.device.type != "cpu":
         assert_async(flags.eq(0).all(), "a peer raised HaloError for this layer")
         return
-    raised = [rank for rank, f in enumerate(flags.tolist()) if f]
+    statuses = flags.tolist()
+    check_reducing(statuses)
+    raised = [rank for rank, f in enumerate(statuses) if f]
     if raised:
         raise HaloError(f"rank(s) {raised} of the group passed {what} every rank agreed on "
                         "at its last agreement (see the error on those ranks)")
+
+
+def check_reducing(statuses: list[int]) -> None:
+    """`HaloError` when a peer sent `REDUCING` in this rank's halo move: it called
+    `reduce_grads` while this rank runs a forward."""
+    reducing = [rank for rank, f in enumerate(statuses) if f == REDUCING]
+    if reducing:
+        raise HaloError(
+            f"rank(s) {reducing} of the group called reduce_grads while this rank runs this "
+            "halo layer's forward: every rank must run the same forwards and backwards "
+            "before reduce_grads (an extra forward on this rank, e.g. under "
+            "torch.no_grad(), or one those ranks skipped)")
 
 
 def start_flagged_all_to_all(
@@ -329,6 +416,7 @@ def start_flagged_all_to_all(
     element: 0, or 1 when this rank found a mistake and sends placeholder rows. The status
     rides in the move that happens anyway, so an agreed layer needs no metadata collective
     for a mistake on one rank to raise on every rank. `buf`: as for `start_all_to_all`."""
+    opens(group)
     parts = [buf] if isinstance(buf, torch.Tensor) else buf
     row = tuple(parts[0].shape[1:])
     per_row = math.prod(row)
@@ -398,6 +486,7 @@ def gather_ints(values: torch.Tensor, group: Group, what: str = "halo metadata e
     row[2 : 2 + n] = values.reshape(-1)
 
     def run() -> list[int]:
+        opens(group)
         if is_eager(row):
             out = row.new_empty(group.size * width)
             dist_all_gather_single(out, row, group=group.pg)
@@ -450,6 +539,7 @@ def start_all_to_all(
     `buf`: the rows to send, `(rows, ...)`, or (eager tensors) a list of blocks of them in
     order, views of any strides (e.g. a chunk's edge slices), each packed with one copy.
     """
+    opens(group)
     if isinstance(buf, torch.Tensor) and not is_eager(buf):
         return Pending(all_to_all_single(buf, recv_splits, send_splits, group.funcol_group))
     buf = _contiguous(buf)
@@ -468,6 +558,7 @@ def all_to_all(
 
 def all_gather(buf: torch.Tensor, group: Group, what: str = "all-gather") -> torch.Tensor:
     """All-gather along dim 0: every rank gets every rank's `buf`, in rank order."""
+    opens(group)
     if not is_eager(buf):
         return all_gather_single(buf, 0, group.funcol_group)
     buf = buf.contiguous()
@@ -481,6 +572,7 @@ def broadcast(buf: torch.Tensor, src: int, group: Group, what: str = "broadcast"
               ) -> torch.Tensor:
     """Rank `src`'s `buf` (a group-local rank) on every rank; the others pass a buffer of its
     shape and dtype, which an eager broadcast fills in place (not differentiable)."""
+    opens(group)
     root = dist.get_global_rank(group.pg, src)
     if not is_eager(buf):
         return wait_tensor(functional_broadcast(buf, root, group.funcol_group))
@@ -493,6 +585,7 @@ def broadcast(buf: torch.Tensor, src: int, group: Group, what: str = "broadcast"
 def reduce_scatter(buf: torch.Tensor, group: Group, what: str = "reduce-scatter"
                    ) -> torch.Tensor:
     """Sum over ranks, then rank r keeps block r of dim 0 (the adjoint of `all_gather`)."""
+    opens(group)
     if not is_eager(buf):
         return reduce_scatter_single(buf, "sum", 0, group.funcol_group)
     buf = buf.contiguous()
@@ -521,6 +614,7 @@ def start_p2p(
             "transport='p2p' needs real processes; under LocalTensorMode use 'all_to_all' "
             "or 'allgather'"
         )
+    opens(group)
     buf = _contiguous(buf)
     out = buf.new_empty((sum(recv_splits), *buf.shape[1:]))
     if buf.shape[1:].numel() == 0:
@@ -539,6 +633,7 @@ def start_p2p(
 
 def all_reduce_sum(buf: torch.Tensor, group: Group, what: str = "all-reduce") -> torch.Tensor:
     """Sum `buf` over the group (not differentiable: for gradients after backward)."""
+    opens(group)
     if not is_eager(buf):
         return wait_tensor(all_reduce(buf, "sum", group.funcol_group))
     out = buf.clone(memory_format=torch.contiguous_format)
@@ -583,6 +678,7 @@ class _ReduceScatter(torch.autograd.Function):
 def all_gather_autograd(buf: torch.Tensor, group: Group, what: str = "all-gather"
                         ) -> torch.Tensor:
     """Differentiable all-gather along dim 0; backward is a reduce-scatter of the gradient."""
+    opens(group)
     if is_eager(buf):
         return _AllGather.apply(buf, group, what)
     return all_gather_single_autograd(buf, 0, group.funcol_group)

@@ -244,6 +244,22 @@ def dtensor_op_dispatcher() -> Any:
     return DTensor._op_dispatcher
 
 
+def implicit_replication() -> bool:
+    """Whether DTensor now takes a plain tensor beside a DTensor as replicated (torch's
+    `implicit_replication()` context) instead of refusing the mix."""
+    return bool(DTensor._op_dispatcher._allow_implicit_replication)
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a graph task is executing)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def forward_pre_hooks(module: torch.nn.Module) -> dict[int, Callable[..., Any]]:
+    """`module`'s forward pre-hooks by id, in the order they run (the live dict)."""
+    return module._forward_pre_hooks  # type: ignore[no-any-return]
+
+
 # `nn.Module.__call__`'s body: `_plan_gaps` finds the modules being called in Python's frames.
 MODULE_CALL_CODE = torch.nn.Module._call_impl.__code__
 

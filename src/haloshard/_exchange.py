@@ -152,6 +152,8 @@ def _agree(
             and enabled_local_tensor_mode() is None):
         key, signature = (reuse[1], id(group.pg)), (reuse[2], left, right, pad, dim,
                                                      global_length)
+        if left or right:  # this site's move may open a forward (see `join_agreed_move`)
+            _comm.opens(group, (reuse[0], key, _comm.current_label))
         if key in reuse[0]:
             agreed = _reuse_agreed(x, left, right, dim, pad, transport, group,
                                    global_length, reuse[0], key, signature, problem)
@@ -230,12 +232,8 @@ def _reuse_agreed(
                 f"{shown_row(own)}, agreed {shown_row(agreed.row)}")
 
     def join(agreed: Agreed, status: int) -> list[int]:
-        recv, send, _ = _split_plan(group.rank, agreed.lengths, left, right, pad, group.size)
-        placeholder = torch.zeros((sum(send), *agreed.shape), dtype=agreed.dtype,
-                                  device=agreed.device)
-        moved = _comm.start_flagged_all_to_all(placeholder, recv, send, group, flag=status)
         try:
-            return _comm.statuses(moved)
+            statuses = _join(agreed, group, status)
         except HaloError as error:  # the peers never joined: see docs/failures.md
             raise HaloError(
                 f"{error}. This rank's call differs from the one agreed at this layer "
@@ -243,6 +241,8 @@ def _reuse_agreed(
                 "at all (an extra forward on this rank, e.g. under torch.no_grad(), while "
                 "they call reduce_grads or another layer), they wait in a collective this "
                 "move cannot meet") from error
+        _comm.check_reducing(statuses)
+        return statuses
 
     def differs(agreed: Agreed, kept: list[int]) -> str:
         return (f"{changed(agreed)}; rank(s) {kept} of the group kept the agreed ones: every "
@@ -262,21 +262,39 @@ def leave_agreement(store: Agreements, group: Group, what: str) -> None:
     keys = [k for k in store if k[1] == id(group.pg)]  # type: ignore[index]
     if not keys:
         return
-    agreed = store[keys[-1]]
-    left, right = agreed.row[_FIELDS.index("left")], agreed.row[_FIELDS.index("right")]
-    pad = (PAD_MODES + LENIENT_PADS)[agreed.row[_FIELDS.index("pad")]]
-    if left or right:
-        recv, send, _ = _split_plan(group.rank, agreed.lengths, left, right, pad, group.size)
-        placeholder = torch.zeros((sum(send), *agreed.shape), dtype=agreed.dtype,
-                                  device=agreed.device)
-        statuses = _comm.statuses(_comm.start_flagged_all_to_all(
-            placeholder, recv, send, group, flag=CHANGED))
-        if set(statuses) != {CHANGED}:
-            kept = [r for r, f in enumerate(statuses) if f != CHANGED]
-            raise HaloError(f"this rank runs this halo layer {what}, but rank(s) {kept} of "
-                            "the group run its halo move: every rank must enter it alike")
+    statuses = _join(store[keys[-1]], group, CHANGED)
+    _comm.check_reducing(statuses)
+    if set(statuses) - {CHANGED}:
+        kept = [r for r, f in enumerate(statuses) if f != CHANGED]
+        raise HaloError(f"this rank runs this halo layer {what}, but rank(s) {kept} of "
+                        "the group run its halo move: every rank must enter it alike")
     for key in keys:
         del store[key]
+
+
+def join_agreed_move(store: Agreements, key: Hashable, group: Group, flag: int
+                     ) -> list[int]:
+    """Join the halo move agreed at `store[key]` on `group` with placeholder rows and
+    status `flag`, as a rank does whose call there changed (`_reuse_agreed`), and return
+    every rank's status; [] when there is no such agreement or it moves nothing. For a
+    rank that runs no forward there now: `leave_agreement`, and `reduce_grads`, which
+    joins the move that opened the last forward (`_comm.opening`) with `_comm.REDUCING`,
+    so a peer running an extra forward meets it there and both raise at once."""
+    return _join(store[key], group, flag) if key in store else []
+
+
+def _join(agreed: Agreed, group: Group, flag: int) -> list[int]:
+    """Every rank's status from the agreed move, joined with placeholder rows; [] when it
+    moves nothing."""
+    left, right = agreed.row[_FIELDS.index("left")], agreed.row[_FIELDS.index("right")]
+    pad = (PAD_MODES + LENIENT_PADS)[agreed.row[_FIELDS.index("pad")]]
+    if not (left or right):
+        return []
+    recv, send, _ = _split_plan(group.rank, agreed.lengths, left, right, pad, group.size)
+    placeholder = torch.zeros((sum(send), *agreed.shape), dtype=agreed.dtype,
+                              device=agreed.device)
+    return _comm.statuses(_comm.start_flagged_all_to_all(placeholder, recv, send, group,
+                                                         flag=flag))
 
 
 def shown_row(row: list[int]) -> dict[str, Any]:

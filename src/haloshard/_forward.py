@@ -41,7 +41,7 @@ from torch.utils.hooks import RemovableHandle
 
 from haloshard import _comm
 from haloshard._errors import HaloError, named
-from haloshard._plan_gaps import watch
+from haloshard._plan_gaps import guard, guard_running, unguard, watch
 from haloshard._tracing import surfaces_errors
 
 _HANDLE = "_haloshard_handle"
@@ -94,6 +94,7 @@ class ShardedForward:
     style = "haloshard"
     name = ""
     previous: Callable[..., Any] | None = None
+    guarded = False  # whether its first call guarded the running model (`_plan_gaps.guard`)
     copied: tuple[str, ...] = ("module", "previous")
 
     def __init__(self, module: nn.Module, dim: int, mesh: DeviceMesh | None = None) -> None:
@@ -118,6 +119,10 @@ class ShardedForward:
 
     @surfaces_errors
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.guarded and not torch.compiler.is_compiling():
+            # the model around this one may hold modules a plan left out (see `guard`)
+            self.guarded = True
+            guard_running()
         if INSIDE.get():
             # The enclosing halo module already supplied this module's halo.
             return self.inside(*args, **kwargs)
@@ -127,6 +132,7 @@ class ShardedForward:
             try:
                 return self.sharded(*args, **kwargs)
             except HaloError as error:
+                _comm.forget_openings()  # the ranks may have opened this forward unlike
                 raise named(error, name) from error
 
     def sharded(self, *args: Any, **kwargs: Any) -> Any:
@@ -138,16 +144,22 @@ class ShardedForward:
         return self.original(*args, **kwargs)
 
 
+def planned_model() -> nn.Module | None:
+    """The model being planned by `parallelize_module` (the outermost call's), or None."""
+    frame, root = inspect.currentframe(), None
+    while frame is not None:
+        if frame.f_code is parallelize_module.__code__:
+            root = frame.f_locals.get("module")
+        frame = frame.f_back
+    return root if isinstance(root, nn.Module) else None
+
+
 def module_name(module: nn.Module) -> str:
     """How errors name `module`: `"fqn (Class)"` when it is being planned by
     `parallelize_module` (the fqn within the model passed to it), else `"Class"`."""
     cls = type(module).__name__
-    frame, root = inspect.currentframe(), None
-    while frame is not None:  # the outermost parallelize_module call holds the model
-        if frame.f_code is parallelize_module.__code__:
-            root = frame.f_locals.get("module")
-        frame = frame.f_back
-    if isinstance(root, nn.Module):
+    root = planned_model()
+    if root is not None:
         for fqn, inner in root.named_modules():
             if inner is module:
                 return f"{fqn or '<root>'} ({cls})"
@@ -267,6 +279,8 @@ def install(module: nn.Module, forward: Any, saved: dict[str, Any] | None = None
     forward.previous = module.__dict__.get("forward")
     forward.name = module_name(module)
     module.forward = forward
+    guard(planned_model())  # the plan's other modules, named if left out (`_plan_gaps`)
+    unguard(module)
     handle = HaloHandle(module, {} if saved is None else saved, forward.previous)
     setattr(module, _HANDLE, handle)
     return handle

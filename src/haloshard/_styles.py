@@ -7,7 +7,7 @@ sums the parameters' per-rank partial gradients over the cp axis for users witho
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import nn
@@ -17,8 +17,9 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 from haloshard import _comm
-from haloshard._agree import Fields, check_rows, digest, gather
+from haloshard._agree import Agreements, Fields, check_rows, digest, gather
 from haloshard._errors import HaloError
+from haloshard._exchange import join_agreed_move
 from haloshard._forward import (
     HaloHandle,
     check_layouts,
@@ -286,18 +287,40 @@ def _agree_params(named: list[tuple[str, nn.Parameter]], group: _comm.Group) -> 
     except HaloError as error:
         if not isinstance(error.__cause__, RuntimeError):  # not the backend's timeout
             raise
-        # A peer in another collective: no prompt error can tell which without a metadata
-        # collective in every forward (see docs/failures.md), so the timeout names it.
+        # A peer in a collective of another kind (see docs/failures.md): the timeout.
         raise HaloError(f"{error}. reduce_grads must follow the same forwards and "
-                        "backwards on every rank: a rank that ran an extra forward (e.g. "
-                        "under torch.no_grad()) or skipped one waits in that layer's "
-                        "collective, which reduce_grads' collectives cannot meet") from error
+                        "backwards on every rank: a rank that ran an extra forward or "
+                        "skipped one may wait in a collective of a layer, which "
+                        "reduce_grads' collectives cannot meet") from error
     check_rows(rows, _PARAMS, problem)
     mask = torch.tensor([int(p.grad is not None) for _, p in named], dtype=torch.int64)
     if not named:
         return []
     seen = gather(mask, group, "reduce_grads gradient-presence exchange")
     return [any(got[i] for got in seen) for i in range(len(named))]
+
+
+def _meet_forwards(model: nn.Module, site: tuple[Agreements, Hashable, str | None] | None,
+                   group: _comm.Group) -> None:
+    """Join the halo move that opened `model`'s last forward on `group` (`_comm.opening`),
+    where a peer that runs an extra forward starts: it receives `REDUCING` and raises;
+    every rank here sees its status and raises too, at once (no metadata in any forward).
+    Nothing when no such move opened it: a forward that opens with a gather meets
+    reduce_grads' own gathers, and another model's move may not be the one a peer runs."""
+    if site is None:
+        return
+    store, key, label = site
+    stores = (getattr(m.__dict__.get("forward"), "agreed", None) for m in model.modules())
+    if not any(found is store for found in stores):
+        return
+    statuses = join_agreed_move(store, key, group, _comm.REDUCING)
+    others = [r for r, status in enumerate(statuses) if status != _comm.REDUCING]
+    if others:
+        raise HaloError(
+            f"reduce_grads: rank(s) {others} of the group ran a forward ({label or 'a halo'}"
+            " layer's halo move) while this rank called reduce_grads: every rank must run "
+            "the same forwards and backwards before reduce_grads (an extra forward on those "
+            "ranks, e.g. under torch.no_grad(), or one this rank skipped)")
 
 
 def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | None = None
@@ -309,7 +332,10 @@ def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | N
     A gradient that is None on every rank stays None (an optimizer then leaves that
     parameter alone, as on one device); one that exists on some ranks only counts as zeros
     on the others. Two small all-gathers first check that every rank holds the same
-    trainable parameters (names, shapes, dtypes) and learn which have gradients.
+    trainable parameters (names, shapes, dtypes) and learn which have gradients. Before
+    them it joins the halo move that opened the last forward (placeholder rows of that
+    layer's halo, once per call), where a rank running an extra forward instead starts: it
+    raises there, and so does every rank here, at once.
 
     Args:
         model: the model after `backward()`.
@@ -318,7 +344,8 @@ def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | N
 
     Raises:
         HaloError: on every rank, when the ranks' trainable parameters differ (a parameter
-            frozen on one rank, another dtype) or a gradient does not match its parameter.
+            frozen on one rank, another dtype) or a gradient does not match its parameter,
+            or when a rank runs a forward instead (an extra one, e.g. under no_grad).
 
     Example::
         >>> model = parallelize_module(nn.Sequential(nn.Conv3d(3, 8, 3, padding=1)), mesh,
@@ -329,7 +356,17 @@ def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | N
     """
     group = _comm.resolve_group(mesh if mesh_axis is None else (mesh, mesh_axis))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    present = _agree_params(named, group)
+    site = _comm.opening(group)
+    try:
+        _meet_forwards(model, site, group)
+        _sum_grads(named, _agree_params(named, group), group)
+    finally:
+        _comm.reopen(group, site)  # the next forward opens afresh, not these collectives
+
+
+def _sum_grads(named: list[tuple[str, nn.Parameter]], present: list[bool],
+               group: _comm.Group) -> None:
+    """Sum the gradients that exist on some rank (`present`) over `group`, in place."""
     params = [p for (_, p), has in zip(named, present, strict=True) if has]
     for p in params:
         if p.grad is None:
