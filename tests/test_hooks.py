@@ -631,8 +631,9 @@ def test_taps_everywhere_from_the_global_shape() -> None:
     longest chunk's window on its slow conv3d path: read from the global shape and the
     conv's own arguments (the padding of the other dims applied first for a padding mode
     other than zeros), so every rank decides alike."""
+    from haloshard._choice import _taps_everywhere
     from haloshard._compat import maybe_disable_local_tensor_mode
-    from haloshard._hooks import _Site, _taps_everywhere
+    from haloshard._hooks import _Site
     from haloshard._specs import derive_stencil, plan_windows
 
     def rule(conv: nn.Module, shape: tuple[int, ...], dtype: torch.dtype = torch.float32

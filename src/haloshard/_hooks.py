@@ -20,7 +20,6 @@ then. Inside that wrapper:
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, replace
@@ -35,11 +34,12 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm, _segments
+from haloshard._choice import ConvChoice, TrialRun, overlappable
 from haloshard._compat import (
     enabled_local_tensor_mode,
     maybe_run_for_local_tensor,
 )
-from haloshard._conv import halo_conv, slow_window, taps_layout, with_spare_slice
+from haloshard._conv import halo_conv, with_spare_slice
 from haloshard._errors import HaloError
 from haloshard._exchange import Reuse, _dtype_code, exchange, leave_agreement, shown
 from haloshard._forward import INSIDE as _INSIDE
@@ -56,7 +56,6 @@ from haloshard._layout import (
     HaloShard,
     check_pad_fits,
     shard_size_and_offset,
-    shard_sizes,
 )
 from haloshard._redistribute import unwrap
 from haloshard._specs import (
@@ -82,19 +81,6 @@ from haloshard._varlen import active_boundaries, varlen_conv
 # How a module runs on its window: `local(forward, window, *args, **kwargs) -> output`.
 LocalRun = Callable[..., Any]
 _ANNOTATION = "_haloshard_annotation"
-# How much faster (summed over ranks) exchange-first must be to replace the overlapped conv
-# in the first-call trial. Its backward holds a window copying the chunk (oneDNN also
-# reorders it whole): up to 1.56 of the floor's peak memory where oneDNN runs both within a
-# few % of each other. Where it is clearly faster, the floor's conv takes torch's slow
-# T-padded path for short chunks, whose im2col columns (k^d times the chunk) dwarf the copy
-# (measured within the peak target there).
-_EXCHANGE_FIRST_MARGIN = 0.1
-# Timed rounds of each formulation after an untimed one: at least, at most, and the CPU
-# time that sets their number in between (a 15 ms step varies by 30% between rounds on a
-# shared 2-core machine; a 1 s step by a few %).
-_TRIAL_ROUNDS = 3
-_TRIAL_MAX_ROUNDS = 9
-_TRIAL_SECONDS = 0.15
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 _CONV_FNS = (F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d)
 # `F.pad`'s mode -> the pad mode it applies
@@ -198,7 +184,7 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
         mesh: used for plain-tensor inputs (1-D); DTensor inputs bring their own mesh.
         overlap: run stride-1 convs that keep the length as `halo_conv`, which convolves
             the chunk while the halo is in flight; False exchanges first; None chooses per
-            input signature (see `_HaloForward.overlaps`).
+            input signature (see `_choice.ConvChoice.overlaps`).
         local: how the module runs on its window, `local(forward, window, *args, **kwargs)`;
             None calls `forward(window, *args, **kwargs)`.
 
@@ -253,8 +239,7 @@ class _HaloForward(ShardedForward):
         # The last agreement of each exchange (see `Reuse`): a layer validates its arguments
         # on every rank when its signature changes, later calls issue no metadata collective.
         self.agreed: dict[Any, Any] = {}
-        self.chosen: dict[Any, bool] = {}  # overlap or not, by global input signature
-        self.trials: dict[Any, int] = {}  # rounds each formulation was timed, by signature
+        self.choice = ConvChoice()  # overlapped or exchange-first, by input signature
         self.windows_agreed: set[Any] = set()  # signatures whose stencil windows were agreed
 
     def reuse(self, site: _Site) -> Reuse:
@@ -290,19 +275,38 @@ class _HaloForward(ShardedForward):
                             uniform=enabled_local_tensor_mode() is not None)
         _segments.follow(site.length, plan.out_length, annotation.stencil)
         reuse = self.reuse(site)
-        if self.known and self.local is None and _overlappable(self.module, annotation, plan,
-                                                               site):
+        if self.known and self.local is None and overlappable(self.module, annotation, plan,
+                                                              site):
             # torch's own conv, as `halo_conv`: overlapped, or exchanging first in a
             # function whose backward never holds the window and its gradient at once
             # chosen once the exchange has agreed (every rank then holds one signature)
             choose = None if self.overlap is not None else (
-                lambda: self.overlaps(site, plan, reuse))
+                lambda: self.choice.overlaps(self.module, site, plan,
+                                             self.conv_run(site, plan, reuse)))
             y = _overlapped_conv(self.module, site, plan, annotation, reuse,
                                  whole=self.overlap is False, choose=choose)
         else:
             y = self.exchange_first(site, plan, reuse, *args, **kwargs)
             self.check_windows(y, site, plan, reuse)
         return with_spare(_output(y, site, plan, annotation), site)
+
+    @property
+    def chosen(self) -> dict[Any, bool]:
+        """Overlapped or not, by global input signature (`ConvChoice`)."""
+        return self.choice.chosen
+
+    @property
+    def trials(self) -> dict[Any, int]:
+        """The rounds the trial timed each formulation, by global input signature."""
+        return self.choice.trials
+
+    def conv_run(self, site: _Site, plan: WindowPlan, reuse: Reuse) -> TrialRun:
+        """How the formulation trial runs this layer's conv on detached copies."""
+        def run(leaf: torch.Tensor, params: list[torch.Tensor | None], whole: bool
+                ) -> torch.Tensor:
+            return _overlapped_conv(self.module, replace(site, local=leaf), plan,
+                                    self.annotation, reuse, whole=whole, params=params)
+        return run
 
     def check_windows(self, y: Any, site: _Site, plan: WindowPlan, reuse: Reuse) -> None:
         """A user's stencil against what the module returned on its windows: every rank's
@@ -442,85 +446,6 @@ class _HaloForward(ShardedForward):
         finally:
             _INSIDE.reset(token)
 
-    def overlaps(self, site: _Site, plan: WindowPlan, reuse: Reuse) -> bool:
-        """Whether this call runs the conv as `halo_conv` (the chunk's own conv while the halo
-        travels, boundary corrections once it arrives) or exchanges first: as given, or
-        (`overlap=None`) decided once per global input signature. A conv3d whose window
-        torch would convolve on its slow path exchanges first, tap by tap
-        (`_taps_everywhere`, from shapes alone). Otherwise, on CPU (eager c10d, not
-        deterministic mode) both are timed once, as `cudnn.benchmark` does
-        (`faster_overlapped`): no engine moves the halo beside the conv there, and which
-        formulation runs faster depends on the shape (2 frames of C256 exchanged first:
-        0.58 of the chunk's own padded conv; 8 frames of C64 48x48: 1.03 of the overlapped
-        conv). Exchange-first, whose backward holds a copy of the chunk, must be
-        `_EXCHANGE_FIRST_MARGIN` faster. Elsewhere (GPUs, where the halo travels beside
-        the conv; compiled, simulated, deterministic) it overlaps. Every rank takes the
-        same choice: it is called once the exchange has agreed on the signature (so every
-        rank looks the choice up alike), and the settings each rank reads for it (memory
-        format, deterministic mode) ride in one small gather at the first call."""
-        if self.overlap is not None:
-            return self.overlap
-        x = site.local
-        key = (site.shape, x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad)
-        if key not in self.chosen:
-            timed = (_comm.is_eager(x) and x.device.type == "cpu"
-                     and not torch.are_deterministic_algorithms_enabled())
-            # where torch would run the conv3d on its slow path, exchanging first runs it as
-            # conv2ds, far faster than the chunk's own slow conv: no trial needed
-            taps = _taps_everywhere(self.module, site, plan)
-            if _comm.is_eager(x):  # per-rank settings: agreed (one rank's would desync)
-                rows = _comm.gather_ints(torch.tensor([int(timed), int(taps)]),
-                                         _comm.resolve_group((site.mesh, site.axis)),
-                                         what="choice of formulation")
-                timed, taps = all(r[0] for r in rows), all(r[1] for r in rows)
-            self.chosen[key] = not taps and (
-                not timed or self.faster_overlapped(site, plan, reuse, key))
-        return self.chosen[key]
-
-    def faster_overlapped(self, site: _Site, plan: WindowPlan, reuse: Reuse, key: Any
-                          ) -> bool:
-        """Time both formulations, forward and (where this call builds a graph) backward,
-        in this process's CPU time (ranks sharing cores wait for each other, which wall
-        time would count): an untimed warm-up, then rounds alternating which leads, as many
-        as fill `_TRIAL_SECONDS` per formulation at the slowest rank's warm-up pace
-        (`_TRIAL_ROUNDS` to `_TRIAL_MAX_ROUNDS`, agreed by one gather: every rank runs the
-        same moves). They run on detached copies of the input and parameters: no gradient
-        reaches the model, and no tensor hook or saved-tensor hook (FSDP, checkpointing,
-        offloading) sees the trial. Each formulation's fastest round counts (contention
-        only adds time), summed over ranks from a second gather: every rank takes the same
-        choice (their backward collectives must match)."""
-        module, x = self.module, site.local
-        group = _comm.resolve_group((site.mesh, site.axis))
-
-        def step(whole: bool) -> int:
-            start = time.process_time()
-            leaf = x.detach().requires_grad_(x.requires_grad)  # the agreed signature
-            params = [p if p is None else p.detach().requires_grad_(p.requires_grad)
-                      for p in (module.weight, module.bias)]
-            y = _overlapped_conv(module, replace(site, local=leaf), plan, self.annotation,
-                                 reuse, whole=whole, params=params)
-            inputs = [t for t in (leaf, *params) if t is not None and t.requires_grad]
-            if y.requires_grad and inputs:
-                torch.autograd.grad(y, inputs, y.detach())
-            return max(round((time.process_time() - start) * 1e6), 1)  # us
-
-        # Its own saved-tensor hooks, innermost: an enclosing checkpoint or offload never
-        # sees what the trial saves (a recomputed forward, which runs no trial, must save
-        # what the original did).
-        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            warm = _comm.gather_ints(torch.tensor([step(False), step(True)]), group,
-                                     what="trial of formulations")
-            pace = max(max(row) for row in warm)
-            rounds = min(max(math.ceil(_TRIAL_SECONDS * 1e6 / pace), _TRIAL_ROUNDS),
-                         _TRIAL_MAX_ROUNDS)
-            times: dict[bool, list[int]] = {False: [], True: []}
-            for i in range(rounds):
-                for whole in (False, True) if i % 2 == 0 else (True, False):
-                    times[whole].append(step(whole))
-        self.trials[key] = rounds
-        mine = torch.tensor([min(times[False]), min(times[True])])
-        return _overlap_kept(_comm.gather_ints(mine, group, what="choice of formulation"))
-
 
 def _fail_later_axes(site: _Site, plans: list[tuple[int, int, WindowPlan]],
                      stencils: list[Stencil], reuse: Reuse) -> None:
@@ -534,62 +459,6 @@ def _fail_later_axes(site: _Site, plans: list[tuple[int, int, WindowPlan]],
                      pad=_exchange_pad(stencil, plan), global_length=plan.length,
                      reuse=reuse, problem="a peer on another mesh axis raised HaloError in "
                      "its halo exchange for this layer (see the error on that rank)")
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _overlap_kept(rows: list[list[int]]) -> bool:
-    """From every rank's `(overlapped, exchange-first)` fastest trial times: whether the
-    overlapped conv stays, i.e. exchange-first is not `_EXCHANGE_FIRST_MARGIN` faster
-    summed over ranks.
-
-    Example::
-        >>> _overlap_kept([[100, 95], [100, 93]]), _overlap_kept([[100, 85], [100, 88]])
-        (True, False)
-    """
-    first = sum(r[1] for r in rows)
-    return first >= (1 - _EXCHANGE_FIRST_MARGIN) * sum(r[0] for r in rows)
-
-
-def _taps_everywhere(module: nn.Module, site: _Site, plan: WindowPlan) -> bool:
-    """Whether exchanging first runs this conv3d tap by tap on every rank: torch would
-    convolve even the longest chunk's window on its slow path (`halo_conv`'s `_by_taps`,
-    from the global shape, so every rank takes the same choice). There the chunk's own
-    padded conv3d, the overlapped formulation's, is on that slow path too: exchange-first
-    measured 0.19 to 0.86 of its time (`benchmarks.matrix`, the shapes it takes), with no
-    trial at the first call, and in deterministic mode too (the rule reads only shapes)."""
-    x = site.local
-    if not taps_layout(x):
-        return False
-    along = site.dim - 2
-    padded = module.padding_mode != "zeros"
-    shape, padding = list(x.shape), []
-    for i, p in enumerate(module.padding):
-        if padded and i != along:  # padded before the conv, as `_overlapped_conv` does
-            shape[2 + i] += 2 * p
-        padding.append(0 if padded or i == along else p)
-    shape[site.dim] = max(shard_sizes(site.length, site.mesh.size(site.axis))) + (
-        plan.left + plan.right)
-    return slow_window(x, shape, module.weight, list(module.stride), padding,
-                       list(module.dilation), module.groups)
-
-
-def _overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan, site: _Site
-                  ) -> bool:
-    """A derived, stride-1, length-keeping conv running torch's own forward: its window is
-    exactly the halo exchange's output, so `halo_conv` can run it. A subclass with its own
-    forward always runs that forward. With a padding mode other than zeros on the other
-    dims every chunk must hold a slice (`F.pad` refuses to pad an empty one that way)."""
-    if (not isinstance(module, _CONVS) or annotation.spec is not None
-            or isinstance(module.padding, str)):
-        return False
-    stencil = annotation.stencil
-    padded = module.padding_mode != "zeros" and any(module.padding)
-    return (isinstance(stencil, ConvStencil) and stencil.stride == 1 and stencil.fill is None
-            and plan.out_length == plan.length and plan.left + plan.right == stencil.span - 1
-            and not (padded and min(shard_sizes(site.length, site.mesh.size(site.axis))) == 0))
 
 
 def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,

@@ -50,8 +50,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
 from haloshard._attention import gather_many, sdpa
+from haloshard._choice import slow_window
 from haloshard._compat import enabled_local_tensor_mode
-from haloshard._conv import slow_window
 from haloshard._errors import HaloError
 from haloshard._exchange import Reuse
 from haloshard._forward import ShardedForward, install, names_errors
