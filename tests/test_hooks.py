@@ -633,7 +633,7 @@ def test_taps_everywhere_from_the_global_shape() -> None:
     other than zeros), so every rank decides alike."""
     from haloshard._choice import _taps_everywhere
     from haloshard._compat import maybe_disable_local_tensor_mode
-    from haloshard._hooks import _Site
+    from haloshard._site import Site as _Site
     from haloshard._specs import derive_stencil, plan_windows
 
     def rule(conv: nn.Module, shape: tuple[int, ...], dtype: torch.dtype = torch.float32

@@ -69,9 +69,9 @@ class _Flag:
 
 
 INSIDE = _Flag()
-# The sites (`_hooks._Site`) of the blocks running their own forward on a chunk now
+# The sites (`_site.Site`) of the blocks running their own forward on a chunk now
 # (`AttentionParallel`), innermost last: a plain tensor a planned module meets inside one is
-# a chunk of that site's layout, carrying its spare slices (`_Site.spare`). A plain stack,
+# a chunk of that site's layout, carrying its spare slices (`Site.spare`). A plain stack,
 # not a ContextVar, which torch.compile cannot trace.
 ENCLOSING: list[Any] = []
 

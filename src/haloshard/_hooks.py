@@ -19,7 +19,6 @@ then. Inside that wrapper:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, replace
@@ -29,8 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm, _segments
@@ -39,14 +37,13 @@ from haloshard._compat import (
     enabled_local_tensor_mode,
     maybe_run_for_local_tensor,
 )
-from haloshard._conv import halo_conv, with_spare_slice
+from haloshard._conv import halo_conv
 from haloshard._errors import HaloError
-from haloshard._exchange import Reuse, _dtype_code, exchange, leave_agreement, shown
+from haloshard._exchange import Reuse, exchange, leave_agreement
 from haloshard._forward import INSIDE as _INSIDE
 from haloshard._forward import (
     HaloHandle,
     ShardedForward,
-    enclosing,
     handle_of,
     install,
     module_name,
@@ -57,7 +54,7 @@ from haloshard._layout import (
     check_pad_fits,
     shard_size_and_offset,
 )
-from haloshard._redistribute import unwrap
+from haloshard._site import Site, check_same_length, pick, rewrap, site_of, with_spare
 from haloshard._specs import (
     _CONVS,
     _SPATIAL,
@@ -242,7 +239,7 @@ class _HaloForward(ShardedForward):
         self.choice = ConvChoice()  # overlapped or exchange-first, by input signature
         self.windows_agreed: set[Any] = set()  # signatures whose stencil windows were agreed
 
-    def reuse(self, site: _Site) -> Reuse:
+    def reuse(self, site: Site) -> Reuse:
         """This layer's store, its key and the call's signature (global shape, dtype, grad
         mode...), which the exchange compares with the agreed one on each rank (a
         signature may differ between ranks: DTensor metadata is per rank)."""
@@ -266,7 +263,7 @@ class _HaloForward(ShardedForward):
         if isinstance(self.module, _TRANSPOSED) and (args or "output_size" in kwargs):
             raise HaloError("ConvTranspose with output_size= is not supported under a halo "
                             "(it would size each rank's local output); expected no output_size")
-        site = _site(x, annotation.dim, self.mesh, several=True)
+        site = site_of(x, annotation.dim, self.mesh, several=True)
         if site.others:
             return self.several(site, *args, **kwargs)
         if active_boundaries() is not None:  # haloshard.packed: one conv per document
@@ -300,7 +297,7 @@ class _HaloForward(ShardedForward):
         """The rounds the trial timed each formulation, by global input signature."""
         return self.choice.trials
 
-    def conv_run(self, site: _Site, plan: WindowPlan, reuse: Reuse) -> TrialRun:
+    def conv_run(self, site: Site, plan: WindowPlan, reuse: Reuse) -> TrialRun:
         """How the formulation trial runs this layer's conv on detached copies."""
         def run(leaf: torch.Tensor, params: list[torch.Tensor | None], whole: bool
                 ) -> torch.Tensor:
@@ -308,7 +305,7 @@ class _HaloForward(ShardedForward):
                                     self.annotation, reuse, whole=whole, params=params)
         return run
 
-    def check_windows(self, y: Any, site: _Site, plan: WindowPlan, reuse: Reuse) -> None:
+    def check_windows(self, y: Any, site: Site, plan: WindowPlan, reuse: Reuse) -> None:
         """A user's stencil against what the module returned on its windows: every rank's
         output must reach `offset + count` along dim, or cutting this rank's outputs would
         fail on that rank alone. Agreed once per input signature (a small gather), so a
@@ -331,7 +328,7 @@ class _HaloForward(ShardedForward):
                 _check_window_output(r, length, plan, self.annotation.stencil)
         self.windows_agreed.add(key)
 
-    def several(self, site: _Site, *args: Any, **kwargs: Any) -> Any:
+    def several(self, site: Site, *args: Any, **kwargs: Any) -> Any:
         """Spatial dims sharded on several mesh axes (T and H): the halo exchanged along
         each in turn, so the second exchange also moves the first one's halo slices (the
         corners a 3x3x3 kernel reads from its diagonal neighbour); the module runs once on
@@ -432,7 +429,7 @@ class _HaloForward(ShardedForward):
         finally:
             _INSIDE.reset(token)
 
-    def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
+    def exchange_first(self, site: Site, plan: WindowPlan, reuse: Reuse, *args: Any,
                        **kwargs: Any) -> Any:
         """Exchange the halo, then run the module's own forward on this rank's window."""
         annotation = self.annotation
@@ -447,7 +444,7 @@ class _HaloForward(ShardedForward):
             _INSIDE.reset(token)
 
 
-def _fail_later_axes(site: _Site, plans: list[tuple[int, int, WindowPlan]],
+def _fail_later_axes(site: Site, plans: list[tuple[int, int, WindowPlan]],
                      stencils: list[Stencil], reuse: Reuse) -> None:
     """This rank raised in an exchange along one mesh axis: join the exchanges along the
     later axes with its error flagged (the agreed move with placeholder rows, or the
@@ -461,7 +458,7 @@ def _fail_later_axes(site: _Site, plans: list[tuple[int, int, WindowPlan]],
                      "its halo exchange for this layer (see the error on that rank)")
 
 
-def _overlapped_conv(module: nn.Module, site: _Site, plan: WindowPlan,
+def _overlapped_conv(module: nn.Module, site: Site, plan: WindowPlan,
                      annotation: Annotation, reuse: Reuse, *, whole: bool = False,
                      params: list[torch.Tensor | None] | None = None,
                      choose: Callable[[], bool] | None = None) -> torch.Tensor:
@@ -501,131 +498,6 @@ def _swapped(module: nn.Module, values: dict[str, Any]) -> Iterator[None]:
             setattr(module, name, value)
 
 
-@dataclass(frozen=True)
-class _Site:
-    """Where the input lives: its local chunk, mesh axis, placements and global shape."""
-
-    local: torch.Tensor
-    mesh: DeviceMesh
-    axis: int
-    placements: tuple[Placement, ...] | None  # None: plain tensor in, plain tensor out
-    shape: tuple[int, ...]
-    dim: int
-    # other spatial dims sharded on other mesh axes, (mesh axis, dim): T and H at once
-    others: tuple[tuple[int, int], ...] = ()
-    # zero slices appended along dim to a chunk an enclosing block runs on (an empty chunk
-    # runs as one: its own forward may refuse 0 elements); `local` excludes them
-    spare: Any = 0
-
-    @property
-    def length(self) -> int:
-        return self.shape[self.dim]
-
-
-def _site(x: torch.Tensor, dim: int, mesh: DeviceMesh | None, *, several: bool = False
-          ) -> _Site:
-    fits = isinstance(x, torch.Tensor) and -x.ndim <= dim < x.ndim
-    got = f"a {x.ndim}-D tensor" if isinstance(x, torch.Tensor) else type(x).__name__
-    problem = f"a halo module's first input must be a tensor with dim {dim}, got {got}"
-    if isinstance(x, DTensor) or mesh is None or mesh.ndim != 1:
-        if not fits:
-            raise HaloError(problem)
-        if isinstance(x, DTensor):
-            return _dtensor_site(x, dim, several=several)
-        if mesh is None:
-            raise HaloError("a plain-tensor input needs a mesh: apply the halo with "
-                            "HaloParallel (parallelize_module) or pass a DTensor")
-        raise HaloError(f"a plain-tensor input needs a 1-D mesh, got a {mesh.ndim}-D mesh; "
-                        "pass a DTensor or the cp sub-mesh")
-    outer = enclosing(x) if fits else None
-    spare = 0 if outer is None else outer.spare
-    if has_spare(spare):  # a chunk of an enclosing block: its spare slices are not ours
-        x = x.narrow(dim, 0, x.shape[dim] - spare)
-    # Plain chunks agree on their lengths, and on the rest of their signature in the same
-    # row (a dtype or batch changed on one rank raises on every rank now, not in a later
-    # collective); a bad input on one rank rides in it too, so every rank raises instead
-    # of the others waiting.
-    row = (_input_row(x, dim) if fits
-           else torch.tensor([0, 1] + [-1] * (len(_INPUT_FIELDS) - 2)))
-    rows = _comm.gather_ints(row, _comm.resolve_group((mesh, 0)), "halo input exchange")
-    bad = [r for r, got in enumerate(rows) if got[1]]
-    if bad:
-        raise HaloError(problem if not fits else f"rank(s) {bad} of the group passed this "
-                        f"halo module an input without dim {dim}; expected a tensor with it")
-    _check_inputs(rows)
-    shape = tuple(sum(r[0] for r in rows) if i == dim else int(s)
-                  for i, s in enumerate(x.shape))
-    return _Site(x, mesh, 0, None, shape, dim, spare=spare)
-
-
-def has_spare(spare: Any) -> bool:
-    """Whether spare slices may be appended (per-rank counts, simulated, may be)."""
-    return not (isinstance(spare, int) and spare == 0)
-
-
-def with_spare(y: Any, site: _Site) -> Any:
-    """A module's output on `site.local` as the enclosing block's chunk carrying spare
-    slices expects it: an empty output chunk gets one zero slice back."""
-    if not has_spare(site.spare):
-        return y
-    if isinstance(y, tuple) and y and isinstance(y[0], torch.Tensor):
-        return (with_spare_slice(y[0], site.dim), *y[1:])
-    return with_spare_slice(y, site.dim)
-
-
-_INPUT_FIELDS = ("length", "error", "ndim", "dtype", "requires_grad", "grad_enabled",
-                 *(f"size of dim {i}" for i in range(8)))
-
-
-@maybe_run_for_local_tensor
-def _input_row(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """A plain chunk's row: its length along `dim`, then what every rank must share."""
-    d = dim % t.ndim
-    sizes = [-1 if i == d else int(n) for i, n in enumerate(t.shape[:8])]
-    return torch.tensor([t.shape[d], 0, t.ndim, _dtype_code(t.dtype), int(t.requires_grad),
-                         int(torch.is_grad_enabled()), *sizes, *[-1] * (8 - len(sizes))])
-
-
-@maybe_run_for_local_tensor
-def _check_inputs(rows: list[list[int]]) -> None:
-    for i, field in enumerate(_INPUT_FIELDS[2:], start=2):
-        values = [r[i] for r in rows]
-        if len(set(values)) > 1:
-            raise HaloError(f"ranks disagree on {field}: {shown(field, values)} (rank by "
-                            "rank); every rank must pass this halo module a plain chunk "
-                            "that differs only in the length of the sharded dim")
-
-
-def _dtensor_site(x: DTensor, dim: int, *, several: bool = False) -> _Site:
-    """The site of a DTensor sharded along `dim` on one mesh axis; with `several`, other
-    spatial dims may be sharded on other axes too (`_Site.others`)."""
-    axes = [a for a, p in enumerate(x.placements) if p == Shard(dim)]
-    if len(axes) != 1:
-        raise HaloError(f"the input must be sharded along dim {dim} on exactly one mesh axis, "
-                        f"got placements {tuple(x.placements)}")
-    others: list[tuple[int, int]] = []
-    for a, p in enumerate(x.placements):
-        if isinstance(p, Replicate) or p in (Shard(0), Shard(dim)):
-            continue
-        d = p.dim % x.ndim if isinstance(p, Shard) else None
-        if not several or d is None or d < 2 or d in [o for _, o in others]:
-            raise HaloError(f"placement {p} is not supported beside Shard({dim}): expected "
-                            "Replicate or Shard(0) (batch) on the other mesh axes"
-                            + ("" if several else "; this layer takes one sharded "
-                               "spatial dim (HaloParallel, CausalConvParallel, "
-                               "FirstFrameParallel, LocalParallel, GroupNormParallel and "
-                               "AttentionParallel take a second)"))
-        others.append((a, d))
-    return _Site(unwrap(x), x.device_mesh, axes[0], tuple(x.placements),
-                 tuple(x.shape), dim, tuple(others))
-
-
-@maybe_run_for_local_tensor
-def _pick(rank: int, *columns: tuple[int, ...]) -> list[int]:
-    # A flat list: LocalTensorMode combines per-rank ints position by position.
-    return [column[rank] for column in columns]
-
-
 def _exchange_pad(stencil: Stencil, plan: WindowPlan) -> str:
     """The pad mode to exchange with.
 
@@ -646,7 +518,7 @@ def _exchange_pad(stencil: Stencil, plan: WindowPlan) -> str:
     return f"{pad}-or-zeros"
 
 
-def _window(site: _Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse
+def _window(site: Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse
             ) -> torch.Tensor:
     """Exchange the halo, fill beyond the global ends if needed, cut this rank's window."""
     stencil, dim = annotation.stencil, annotation.dim
@@ -657,7 +529,7 @@ def _window(site: _Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse
         outside = _outside(rank, plan.length, site.mesh.size(site.axis), plan.left,
                            plan.right, x.ndim, dim, x.device)
         x = x.masked_fill(outside, stencil.fill)
-    start, length, zeros = _pick(rank, plan.win_start, plan.win_len, plan.win_zeros)
+    start, length, zeros = pick(rank, plan.win_start, plan.win_len, plan.win_zeros)
     # A window that is the whole exchanged buffer stays as it is: a narrow() view's backward
     # would write the buffer's gradient whole (zeros, then a copy) before the exchange's own.
     x = _narrowed(x, dim, start, length)
@@ -678,7 +550,7 @@ def _outside(rank: int, length: int, world: int, left: int, right: int, ndim: in
     return ((position < 0) | (position >= length)).reshape(shape)
 
 
-def _output(y: torch.Tensor, site: _Site, plan: WindowPlan, annotation: Annotation) -> Any:
+def _output(y: torch.Tensor, site: Site, plan: WindowPlan, annotation: Annotation) -> Any:
     """Narrow to this rank's output chunk; rebuild a `Shard(dim)` DTensor for DTensor input.
 
     A tuple `(output, extra, ...)` (a conv returning its cache) has its first element
@@ -694,7 +566,7 @@ def _output(y: torch.Tensor, site: _Site, plan: WindowPlan, annotation: Annotati
     if annotation.spec is not None:
         sizes = tuple(n + z for n, z in zip(plan.win_len, plan.win_zeros, strict=True))
         _check_length(rank, y.shape[dim], sizes, annotation.spec)
-    start, length = _pick(rank, plan.out_start, plan.out_len)
+    start, length = pick(rank, plan.out_start, plan.out_len)
     # Keep the module's own output when it is already the chunk: a narrow() view would make
     # an in-place op on it drop FSDP2's pre-backward hook.
     return rewrap(_narrowed(y, dim, start, length), site, dim, plan.out_length)
@@ -730,7 +602,7 @@ def _narrowed(t: torch.Tensor, dim: int, start: Any, length: Any) -> torch.Tenso
     return t.narrow(dim, start, length)
 
 
-def _several_output(y: Any, site: _Site, plans: list[tuple[int, int, WindowPlan]], *,
+def _several_output(y: Any, site: Site, plans: list[tuple[int, int, WindowPlan]], *,
                     per_slice: list[int]) -> Any:
     """Narrow along each dim with a halo to this rank's outputs (a dim taken slice by slice
     must keep its length); a DTensor with the global output shape on the input's mesh and
@@ -746,42 +618,11 @@ def _several_output(y: Any, site: _Site, plans: list[tuple[int, int, WindowPlan]
         check_same_length(y.shape[d], site.local.shape[d], "a module taken as per-slice "
                           "(local_dims)", d)
     for axis, d, plan in plans:
-        start, length = _pick(site.mesh.get_local_rank(axis), plan.out_start, plan.out_len)
+        start, length = pick(site.mesh.get_local_rank(axis), plan.out_start, plan.out_len)
         y = y.narrow(d, start, length)
         shape[d] = plan.out_length
     # the other sharded dims' global lengths are the output's: `rewrap` reads them there
     return rewrap(y, replace(site, shape=tuple(shape)), site.dim, shape[site.dim])
-
-
-@maybe_run_for_local_tensor
-def check_same_length(got: int, expected: int, what: str, dim: int) -> None:
-    """`HaloError` unless a per-slice module kept the length of dim."""
-    if got != expected:
-        raise HaloError(f"{what} is for modules that keep the length of dim {dim}: the "
-                        f"module returned {got} slices from a chunk of {expected}")
-
-
-def rewrap(y: torch.Tensor, site: _Site, dim: int, length: int) -> Any:
-    """This rank's output chunk `y` as the input came: plain for a plain chunk, else a
-    `Shard(dim)` DTensor on the input's mesh and placements, `length` long along dim."""
-    if site.placements is None:
-        return y
-    shape = _global_shape(y, site, dim, length)
-    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    return DTensor.from_local(y, site.mesh, site.placements, run_check=False, shape=shape,
-                              stride=stride)
-
-
-def _global_shape(y: torch.Tensor, site: _Site, dim: int, out_length: int) -> torch.Size:
-    """`out_length` along dim, the input's global batch where a mesh axis shards the batch
-    (a layer keeps the batch), and the local sizes elsewhere (nothing else is sharded)."""
-    batch_sharded = site.placements is not None and Shard(0) in site.placements
-    kept = {0} if batch_sharded else set()
-    kept |= {d for _, d in site.others}  # other sharded dims, kept by a per-slice layer
-    return torch.Size(
-        out_length if i == dim else site.shape[i] if i in kept else int(size)
-        for i, size in enumerate(y.shape)
-    )
 
 
 @maybe_run_for_local_tensor
@@ -898,7 +739,7 @@ class _NoPadAlong(TorchFunctionMode):
 
 
 # ---------------------------------------------------------------- packed sequences
-def _packed_conv(forward: _HaloForward, site: _Site) -> Any:
+def _packed_conv(forward: _HaloForward, site: Site) -> Any:
     """Under `haloshard.packed`: a plain conv runs `varlen_conv` on its input chunk, with
     the module's own (saved) padding, so no halo crosses a document boundary. Any other
     halo layer would mix documents: it raises."""
@@ -925,7 +766,7 @@ def _packed_conv(forward: _HaloForward, site: _Site) -> Any:
     return rewrap(y, site, dim, site.length)
 
 
-def _packed_wrapper(forward: _HaloForward, site: _Site, spec: HaloShard) -> torch.Tensor:
+def _packed_wrapper(forward: _HaloForward, site: Site, spec: HaloShard) -> torch.Tensor:
     """A causal wrapper (explicit spec: `F.pad` of dim by the spec, then one conv with no
     padding along dim) run on the chunk: its `F.pad` is dropped and its conv replaced by
     `varlen_conv` with the spec's padding, per document."""
@@ -947,7 +788,7 @@ class _PackedConvs(TorchFunctionMode):
     """Replaces a wrapper's conv call by `varlen_conv` with the spec's padding along dim;
     the conv's own padding of the other dims (zeros) is applied first."""
 
-    def __init__(self, spec: HaloShard, cu: Any, site: _Site) -> None:
+    def __init__(self, spec: HaloShard, cu: Any, site: Site) -> None:
         super().__init__()
         self.spec, self.cu, self.site, self.count = spec, cu, site, 0
 

@@ -55,18 +55,10 @@ from haloshard._compat import enabled_local_tensor_mode
 from haloshard._errors import HaloError
 from haloshard._exchange import Reuse
 from haloshard._forward import ShardedForward, install, names_errors
-from haloshard._hooks import (
-    _dtensor_site,
-    _HaloForward,
-    _Site,
-    _site,
-    _window,
-    attach,
-    resolve,
-    rewrap,
-)
+from haloshard._hooks import _HaloForward, _window, attach, resolve
 from haloshard._layer_styles import FirstFrameParallel, LocalParallel
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
+from haloshard._site import Site, dtensor_site, rewrap, site_of
 from haloshard._specs import WindowPlan
 from haloshard._styles import HaloParallel
 
@@ -295,12 +287,12 @@ class _CachedRowsForward(_HaloForward):
             return super().sharded(x)
         return super().sharded(x, cache_x)
 
-    def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
+    def exchange_first(self, site: Site, plan: WindowPlan, reuse: Reuse, *args: Any,
                        **kwargs: Any) -> Any:
         if not args:
             return super().exchange_first(site, plan, reuse)
         # the cache's rows are x's: the same windows, agreed under a key of their own
-        cached = _site(args[0], self.dim, self.mesh)
+        cached = site_of(args[0], self.dim, self.mesh)
         store, _, signature = self.reuse(cached)
         window = _window(cached, plan, self.annotation, (store, "cache", signature))
         return super().exchange_first(site, plan, reuse, window)
@@ -375,7 +367,7 @@ class _AttentionRowsForward(ShardedForward):
         if not isinstance(x, DTensor):
             raise HaloError(f"WanAttentionParallel needs a Shard(3) DTensor input, got "
                             f"{type(x).__name__}")
-        m, site = self.module, _dtensor_site(x, 3)
+        m, site = self.module, dtensor_site(x, 3)
         local = site.local
         b, c, t, n, w = local.shape
         rows = n
