@@ -37,7 +37,8 @@ from haloshard import (
     halo_plan,
     reduce_grads,
 )
-from haloshard._hooks import annotation_of, attach, resolve
+from haloshard._annotation import annotation_of, resolve
+from haloshard._hooks import attach
 from haloshard.testing import (
     CausalConv3d,
     assert_close_per_rank,

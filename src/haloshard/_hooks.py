@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm, _segments
+from haloshard._annotation import Annotation
 from haloshard._choice import ConvChoice, TrialRun, overlappable
 from haloshard._compat import (
     enabled_local_tensor_mode,
@@ -60,115 +61,22 @@ from haloshard._specs import (
     _SPATIAL,
     _TRANSPOSED,
     DERIVABLE,
-    STENCILS,
     ConvStencil,
     Stencil,
     WindowPlan,
-    check_spec,
-    check_stencil,
     derive_stencil,
-    is_stencil,
     known_forward,
     local_attrs,
     plan_windows,
-    stencil_of_spec,
 )
 from haloshard._varlen import active_boundaries, varlen_conv
 
 # How a module runs on its window: `local(forward, window, *args, **kwargs) -> output`.
 LocalRun = Callable[..., Any]
-_ANNOTATION = "_haloshard_annotation"
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 _CONV_FNS = (F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d)
 # `F.pad`'s mode -> the pad mode it applies
 _PAD_OF_F_PAD = {f_pad: pad for pad, f_pad in F_PAD_MODES.items()}
-
-
-@dataclass(frozen=True)
-class Annotation:
-    """A module's validated halo: the explicit spec (None: derived), dim and stencil."""
-
-    spec: HaloShard | None
-    dim: int
-    stencil: Stencil
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Annotation:
-        # Immutable, and HaloShard cannot be pickled (its C-backed Placement base refuses).
-        return self
-
-
-def resolve(module: nn.Module, spec: HaloShard | Stencil | None = None, *, dim: int = 2
-            ) -> Annotation:
-    """Validate `spec` against `module` and derive its stencil along `dim`.
-
-    A module annotated earlier keeps its annotation when `spec` is None. A stencil spec
-    (`ResampleStencil(2, "linear")` for a module that calls `F.interpolate`, say) is taken
-    as given: nothing in an arbitrary module can be checked against it.
-
-    Raises:
-        HaloError: for a module whose halo cannot be derived, or a spec that does not fit.
-
-    Example::
-        >>> resolve(nn.Conv1d(2, 2, 3, padding=1)).stencil.span
-        3
-    """
-    if spec is None and isinstance(getattr(module, _ANNOTATION, None), Annotation):
-        return getattr(module, _ANNOTATION)
-    if is_stencil(spec):
-        if (isinstance(spec, STENCILS) and isinstance(module, DERIVABLE) and known_forward(module)
-                and derive_stencil(module, dim) != spec):
-            raise HaloError(f"spec {spec} does not match {type(module).__name__}, which needs "
-                            f"{derive_stencil(module, dim)}; pass spec=None to derive it")
-        check_stencil(spec)
-        local_attrs(module, dim)
-        return Annotation(None, dim, spec)
-    if spec is not None and not isinstance(spec, HaloShard):
-        raise HaloError(f"spec must be a HaloShard, a stencil or None, got "
-                        f"{type(spec).__name__}")
-    if spec is None:
-        stencil: Stencil = derive_stencil(module, dim)
-    else:
-        check_spec(module, spec, dim)
-        stencil = stencil_of_spec(spec)
-    local_attrs(module, dim)  # raises now, not at the first forward
-    return Annotation(spec, dim, stencil)
-
-
-def annotate(module: nn.Module, spec: HaloShard | Stencil | None = None, *, dim: int = 2
-             ) -> nn.Module:
-    """Mark `module` (in place) with the halo it needs along `dim`; returns the module.
-
-    `halo_plan(model)` later turns every annotated module into a `HaloParallel` entry.
-
-    Args:
-        module: a conv / transposed conv / pooling / upsampling module (spec derived), or
-            any module with an explicit spec, e.g. a causal wrapper that pads T itself.
-        spec: `HaloShard(dim, left, right, pad)`: the slices a length-preserving module
-            reads beyond its input chunk; a stencil from `haloshard._specs` for a module that
-            changes the length (e.g. `ResampleStencil(2, "linear")` around `F.interpolate`);
-            None derives it from the module.
-        dim: the sharded dim of the module's input.
-
-    Raises:
-        HaloError: when the spec cannot be derived or does not fit the module, or when a
-            halo is attached to it (its padding along `dim` is the halo's while attached).
-
-    Example::
-        >>> causal = annotate(CausalConv3d(8, k=3), HaloShard(2, left=2, pad="replicate"))
-        >>> halo_plan(nn.Sequential(causal))
-        {'0': HaloParallel(spec=HaloShard(dim=2, left=2, right=0, pad='replicate'), dim=2)}
-    """
-    if handle_of(module) is not None:
-        raise HaloError(f"{type(module).__name__} has a halo attached: annotate it before "
-                        "parallelize_module, or remove() its handle first")
-    setattr(module, _ANNOTATION, resolve(module, spec, dim=dim))
-    return module
-
-
-def annotation_of(module: nn.Module) -> Annotation | None:
-    """The module's annotation, or None."""
-    found = getattr(module, _ANNOTATION, None)
-    return found if isinstance(found, Annotation) else None
 
 
 def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *,

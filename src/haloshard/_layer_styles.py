@@ -43,6 +43,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm, _segments
+from haloshard._annotation import Annotation
 from haloshard._attention import gather_many, sdpa
 from haloshard._compat import (
     LocalTensor,
@@ -64,7 +65,7 @@ from haloshard._forward import (
     output_layouts,
 )
 from haloshard._forward import INSIDE as _INSIDE
-from haloshard._hooks import Annotation, LocalRun, _HaloForward, _NoPadAlong, _window, attach
+from haloshard._hooks import LocalRun, _HaloForward, _NoPadAlong, _window, attach
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
 from haloshard._norms import group_norm
 from haloshard._site import (

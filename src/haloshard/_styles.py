@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 from haloshard import _comm
+from haloshard._annotation import annotation_of, resolve
 from haloshard._errors import HaloError
 from haloshard._forward import (
     HaloHandle,
@@ -26,12 +27,7 @@ from haloshard._forward import (
     names_errors,
     output_layouts,
 )
-from haloshard._hooks import (
-    LocalRun,
-    annotation_of,
-    attach,
-    resolve,
-)
+from haloshard._hooks import LocalRun, attach
 from haloshard._layer_styles import GroupNormParallel
 from haloshard._layout import HaloShard
 from haloshard._specs import _CONVS, _TRANSPOSED, DERIVABLE, Stencil, is_stencil, spatial_index

@@ -18,9 +18,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from haloshard._annotation import Annotation
 from haloshard._errors import HaloError
 from haloshard._forward import names_errors
-from haloshard._hooks import Annotation, attach
+from haloshard._hooks import attach
 from haloshard._layout import PadMode
 
 

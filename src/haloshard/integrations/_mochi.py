@@ -17,8 +17,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from haloshard._annotation import Annotation
 from haloshard._errors import HaloError
-from haloshard._hooks import Annotation, attach
+from haloshard._hooks import attach
 from haloshard._layout import PadMode
 
 

@@ -49,13 +49,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
+from haloshard._annotation import resolve
 from haloshard._attention import gather_many, sdpa
 from haloshard._choice import slow_window
 from haloshard._compat import enabled_local_tensor_mode
 from haloshard._errors import HaloError
 from haloshard._exchange import Reuse
 from haloshard._forward import ShardedForward, install, names_errors
-from haloshard._hooks import _HaloForward, _window, attach, resolve
+from haloshard._hooks import _HaloForward, _window, attach
 from haloshard._layer_styles import FirstFrameParallel, LocalParallel
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
 from haloshard._site import Site, dtensor_site, rewrap, site_of

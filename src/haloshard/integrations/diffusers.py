@@ -72,6 +72,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from haloshard import _comm, _dtensor_ops, _segments
+from haloshard._annotation import Annotation
 from haloshard._attention import gather_many
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
@@ -80,7 +81,7 @@ from haloshard._forward import (
     install,
     names_errors,
 )
-from haloshard._hooks import Annotation, _HaloForward, _window, attach
+from haloshard._hooks import _HaloForward, _window, attach
 from haloshard._layer_styles import (
     CausalConvParallel,
     FirstFrameParallel,
