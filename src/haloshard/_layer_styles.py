@@ -65,8 +65,9 @@ from haloshard._forward import (
     output_layouts,
 )
 from haloshard._forward import INSIDE as _INSIDE
-from haloshard._hooks import LocalRun, _HaloForward, _NoPadAlong, _window, attach
+from haloshard._hooks import LocalRun, _HaloForward, _window, attach
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
+from haloshard._no_pad import NoPadAlong
 from haloshard._norms import group_norm
 from haloshard._site import (
     Site,
@@ -743,7 +744,7 @@ class _StripPadForward(_HaloForward):
         with ExitStack() as stack:
             dropped = [stack.enter_context(_DroppedPad(d, spec, args[0]))
                        for d, spec in self.padded.items()]
-            stack.enter_context(_NoPadAlong(self.annotation.dim, self.strip, args[0]))
+            stack.enter_context(NoPadAlong(self.annotation.dim, self.strip, args[0]))
             y = super().original(*args, **kwargs)
         for mode in dropped:
             if not mode.seen:  # the chunk was padded along a dim the wrapper does not pad
@@ -778,8 +779,8 @@ class _StripPadForward(_HaloForward):
         return {d: s for d, s in self.pads_first.items() if s.left or s.right}
 
 
-class _DroppedPad(_NoPadAlong):
-    """`_NoPadAlong` that records whether the wrapper padded its dim at all."""
+class _DroppedPad(NoPadAlong):
+    """`NoPadAlong` that records whether the wrapper padded its dim at all."""
 
     seen = False
 
