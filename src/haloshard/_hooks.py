@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm, _segments
 from haloshard._annotation import Annotation
@@ -40,7 +39,7 @@ from haloshard._compat import (
 )
 from haloshard._conv import halo_conv
 from haloshard._errors import HaloError
-from haloshard._exchange import Reuse, exchange, leave_agreement
+from haloshard._exchange import Reuse, exchange
 from haloshard._forward import INSIDE as _INSIDE
 from haloshard._forward import (
     HaloHandle,
@@ -54,10 +53,10 @@ from haloshard._layout import (
     check_pad_fits,
     shard_size_and_offset,
 )
-from haloshard._no_pad import CONV_FNS, NoPadAlong
+from haloshard._no_pad import NoPadAlong
+from haloshard._packed import packed_conv
 from haloshard._site import Site, check_same_length, pick, rewrap, site_of, with_spare
 from haloshard._specs import (
-    _CONVS,
     _SPATIAL,
     _TRANSPOSED,
     DERIVABLE,
@@ -69,7 +68,7 @@ from haloshard._specs import (
     local_attrs,
     plan_windows,
 )
-from haloshard._varlen import active_boundaries, varlen_conv
+from haloshard._varlen import active_boundaries
 
 # How a module runs on its window: `local(forward, window, *args, **kwargs) -> output`.
 LocalRun = Callable[..., Any]
@@ -171,7 +170,7 @@ class _HaloForward(ShardedForward):
         if site.others:
             return self.several(site, *args, **kwargs)
         if active_boundaries() is not None:  # haloshard.packed: one conv per document
-            return _packed_conv(self, site)
+            return packed_conv(self, site)
         plan = plan_windows(annotation.stencil, site.length, site.mesh.size(site.axis),
                             uniform=enabled_local_tensor_mode() is not None)
         _segments.follow(site.length, plan.out_length, annotation.stencil)
@@ -536,81 +535,3 @@ def _check_length(rank: int, got: int, win_len: tuple[int, ...], spec: HaloShard
         raise HaloError(f"a module annotated with {spec!r} returned {got} slices along dim "
                         f"{spec.dim} from a window of {win_len[rank]}; an explicit spec is "
                         f"for layers that keep the length: expected {expected}")
-
-
-# ---------------------------------------------------------------- packed sequences
-def _packed_conv(forward: _HaloForward, site: Site) -> Any:
-    """Under `haloshard.packed`: a plain conv runs `varlen_conv` on its input chunk, with
-    the module's own (saved) padding, so no halo crosses a document boundary. Any other
-    halo layer would mix documents: it raises."""
-    module, dim = forward.module, forward.annotation.dim
-    spec = forward.annotation.spec
-    # peers outside `packed` would run the halo move agreed before: join it
-    leave_agreement(forward.agreed, _comm.resolve_group((site.mesh, site.axis)),
-                    "per document (haloshard.packed)")
-    if spec is not None and not isinstance(module, DERIVABLE):
-        return rewrap(_packed_wrapper(forward, site, spec), site, dim, site.length)
-    # known_forward() sees the halo forward now attached: ask about the class instead.
-    own = forward.previous is None and any(
-        type(module).forward is conv.forward for conv in _CONVS)
-    if not (forward.annotation.spec is None and isinstance(module, _CONVS) and own):
-        raise HaloError(
-            f"under haloshard.packed only plain nn.Conv1d/2d/3d halo layers (torch's own "
-            f"forward, no explicit spec) run per document; {type(module).__name__} would "
-            "mix documents across their boundaries: expected it outside the packed context")
-    y = varlen_conv(site.local, module.weight, module.bias, dim=dim,
-                    cu_seqlens=active_boundaries(), group=(site.mesh, site.axis),
-                    padding=forward.saved["padding"], pad=module.padding_mode,
-                    stride=module.stride, dilation=module.dilation, groups=module.groups,
-                    global_length=site.length)
-    return rewrap(y, site, dim, site.length)
-
-
-def _packed_wrapper(forward: _HaloForward, site: Site, spec: HaloShard) -> torch.Tensor:
-    """A causal wrapper (explicit spec: `F.pad` of dim by the spec, then one conv with no
-    padding along dim) run on the chunk: its `F.pad` is dropped and its conv replaced by
-    `varlen_conv` with the spec's padding, per document."""
-    convs = _PackedConvs(spec, active_boundaries(), site)
-    token = _INSIDE.set(True)
-    try:
-        with NoPadAlong(spec.dim, spec, site.local), convs:
-            y = forward.original(site.local)
-    finally:
-        _INSIDE.reset(token)
-    if convs.count != 1:
-        raise HaloError(f"under haloshard.packed a module with an explicit spec must call "
-                        f"exactly one conv along dim {spec.dim} (a causal wrapper), "
-                        f"{type(forward.module).__name__} called {convs.count}")
-    return y
-
-
-class _PackedConvs(TorchFunctionMode):
-    """Replaces a wrapper's conv call by `varlen_conv` with the spec's padding along dim;
-    the conv's own padding of the other dims (zeros) is applied first."""
-
-    def __init__(self, spec: HaloShard, cu: Any, site: Site) -> None:
-        super().__init__()
-        self.spec, self.cu, self.site, self.count = spec, cu, site, 0
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = dict(kwargs or {})
-        if func not in CONV_FNS:
-            return func(*args, **kwargs)
-        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-        call = {**dict(zip(names, args, strict=False)), **kwargs}
-        x, weight, dim = call["input"], call["weight"], self.spec.dim
-        n = weight.ndim - 2
-        padding = call.get("padding", 0)
-        pairs = [padding] * n if isinstance(padding, int) else list(padding)
-        if isinstance(padding, str) or len(pairs) != n or pairs[dim - 2]:
-            raise HaloError(f"under haloshard.packed the wrapped conv must have no padding "
-                            f"along dim {dim} (the spec pads it), got padding={padding!r}")
-        if any(pairs):
-            x = F.pad(x, [w for p in reversed(pairs) for w in (p, p)])
-        self.count += 1
-        return varlen_conv(x, weight, call.get("bias"), dim=dim, cu_seqlens=self.cu,
-                           group=(self.site.mesh, self.site.axis), left=self.spec.left,
-                           right=self.spec.right, pad=self.spec.pad,
-                           stride=call.get("stride", 1), dilation=call.get("dilation", 1),
-                           groups=call.get("groups", 1), global_length=self.site.length)
