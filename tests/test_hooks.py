@@ -38,7 +38,7 @@ from haloshard import (
     reduce_grads,
 )
 from haloshard._annotation import annotation_of, resolve
-from haloshard._hooks import attach
+from haloshard._halo_forward import attach
 from haloshard.testing import (
     CausalConv3d,
     assert_close_per_rank,

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from haloshard import _comm
+from haloshard._annotation import Annotation
 from haloshard._compat import SLOW_CONV3D, select_conv_backend
 from haloshard._errors import HaloError
 from haloshard._exchange import memory_format
@@ -54,9 +55,11 @@ _TRIAL_SECONDS = 0.15
 # detached copy of the chunk (`leaf`) and of the module's weight and bias (`params`);
 # `whole`: exchange-first.
 TrialRun = Callable[[torch.Tensor, list[torch.Tensor | None], bool], torch.Tensor]
+# A `site` below is a `_site.Site` (typed Any: `_site` needs `_conv`, which needs this module)
 
 
-def overlappable(module: nn.Module, annotation: Any, plan: WindowPlan, site: Any) -> bool:
+def overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan, site: Any
+                 ) -> bool:
     """A derived, stride-1, length-keeping conv running torch's own forward: its window is
     exactly the halo exchange's output, so `halo_conv` can run it. A subclass with its own
     forward always runs that forward. With a padding mode other than zeros on the other

@@ -8,7 +8,7 @@ local chunk of a `Shard(dim)` DTensor, or a plain chunk on the style's 1-D mesh)
 strategy's local computation -> the output chunk, rewrapped as the input came. The
 strategies are subclasses, one `sharded` each:
 
-- `_HaloForward` (`_hooks`): a layer with a halo (conv, pooling, resampling, any stencil);
+- `HaloForward` (`_halo_forward`): a layer with a halo (conv, pooling, resampling, any stencil);
 - `_LocalForward` and its subclasses (`_layer_styles`): per-slice layers, GroupNorm,
   attention, blocks meeting per-sample tensors;
 - the diffusers integration's block forwards (mid-block attention, spatial norm, ...).

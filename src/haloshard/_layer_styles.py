@@ -65,7 +65,7 @@ from haloshard._forward import (
     output_layouts,
 )
 from haloshard._forward import INSIDE as _INSIDE
-from haloshard._hooks import LocalRun, _HaloForward, _window, attach
+from haloshard._halo_forward import HaloForward, LocalRun, attach, halo_window
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
 from haloshard._no_pad import NoPadAlong
 from haloshard._norms import group_norm
@@ -714,7 +714,7 @@ class AttentionParallel(LocalParallel):
 
 
 # ---------------------------------------------------------------- temporal resampling
-class _StripPadForward(_HaloForward):
+class _StripPadForward(HaloForward):
     """The halo forward of a causal wrapper whose own `F.pad` along dim is dropped.
 
     Its `F.pad` of other dims that are not sharded (`pads` of the style) is applied to the
@@ -818,7 +818,7 @@ def _padded_window(site: Site, plan: WindowPlan, annotation: Annotation, reuse: 
     x = F.pad(_canonical(x), widths, mode="constant" if mode == "zeros" else mode)
     # Its own agreement: the padded chunk's sizes differ from the unpadded chunk's.
     reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], x.requires_grad))
-    return _window(replace(site, local=x), plan, annotation, reuse)
+    return halo_window(replace(site, local=x), plan, annotation, reuse)
 
 
 def _one_conv(module: nn.Module, dim: int) -> nn.Conv1d:
@@ -905,7 +905,7 @@ class CausalConvParallel(ParallelStyle):
                               pad_right=right, pad=self.pad)
         plain = attach(module, Annotation(None, self.dim, stencil), device_mesh)
         base = module.forward
-        assert isinstance(base, _HaloForward) and plain.attached
+        assert isinstance(base, HaloForward) and plain.attached
         forward = _StripPadForward(module, base.annotation, base.mesh, base.saved,
                                    base.previous, overlap=False, name=base.name)
         forward.strip = HaloShard(self.dim, left=left, right=right, pad=self.pad)
@@ -1147,7 +1147,7 @@ class _FirstFrameRun:
         self.agreed.add(meet.key)
 
 
-class _FirstFrameForward(_HaloForward):
+class _FirstFrameForward(HaloForward):
     """The halo forward of a `FirstFrameParallel` module: it tells the module's run rule
     where each call's ranks meet."""
 
@@ -1262,7 +1262,7 @@ class FirstFrameParallel(ParallelStyle):
                              type(module).__name__)
         attach(module, Annotation(None, self.dim, self.stencil), device_mesh, local=run)
         base = module.forward
-        assert isinstance(base, _HaloForward)
+        assert isinstance(base, HaloForward)
         forward = _FirstFrameForward(module, base.annotation, base.mesh, base.saved,
                                      base.previous, overlap=False, name=base.name, local=run)
         forward.per_slice = self.local_dims

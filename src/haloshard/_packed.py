@@ -23,7 +23,7 @@ from haloshard._site import Site, rewrap
 from haloshard._specs import _CONVS, DERIVABLE
 from haloshard._varlen import active_boundaries, varlen_conv
 
-# `forward` below is a `_hooks._HaloForward` (typed Any: that module imports this one)
+# `forward` below is a `_halo_forward.HaloForward` (typed Any: that module imports this one)
 
 
 def packed_conv(forward: Any, site: Site) -> Any:

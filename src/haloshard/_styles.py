@@ -27,7 +27,7 @@ from haloshard._forward import (
     names_errors,
     output_layouts,
 )
-from haloshard._hooks import LocalRun, attach
+from haloshard._halo_forward import LocalRun, attach
 from haloshard._layer_styles import GroupNormParallel
 from haloshard._layout import HaloShard
 from haloshard._specs import _CONVS, _TRANSPOSED, DERIVABLE, Stencil, is_stencil, spatial_index

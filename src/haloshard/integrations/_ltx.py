@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from haloshard._annotation import Annotation
 from haloshard._errors import HaloError
 from haloshard._forward import names_errors
-from haloshard._hooks import attach
+from haloshard._halo_forward import attach
 from haloshard._layout import PadMode
 
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from haloshard._annotation import Annotation
 from haloshard._errors import HaloError
-from haloshard._hooks import attach
+from haloshard._halo_forward import attach
 from haloshard._layout import PadMode
 
 

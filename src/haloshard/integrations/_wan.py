@@ -56,7 +56,7 @@ from haloshard._compat import enabled_local_tensor_mode
 from haloshard._errors import HaloError
 from haloshard._exchange import Reuse
 from haloshard._forward import ShardedForward, install, names_errors
-from haloshard._hooks import _HaloForward, _window, attach
+from haloshard._halo_forward import HaloForward, attach, halo_window
 from haloshard._layer_styles import FirstFrameParallel, LocalParallel
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
 from haloshard._site import Site, dtensor_site, rewrap, site_of
@@ -276,7 +276,7 @@ def _conv3d_time_taps(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return y.unflatten(0, (count, x.shape[0])).permute(1, 2, 0, 3, 4)
 
 
-class _CachedRowsForward(_HaloForward):
+class _CachedRowsForward(HaloForward):
     """`WanCausalConv3d.forward(x, cache_x)` with H sharded: the cached frames (this rank's
     rows) take the same H halo as x, and the module's own forward runs on both windows (its
     `torch.cat` of cache and input along T, its `F.pad` of T and W; the `F.pad` of H
@@ -295,7 +295,7 @@ class _CachedRowsForward(_HaloForward):
         # the cache's rows are x's: the same windows, agreed under a key of their own
         cached = site_of(args[0], self.dim, self.mesh)
         store, _, signature = self.reuse(cached)
-        window = _window(cached, plan, self.annotation, (store, "cache", signature))
+        window = halo_window(cached, plan, self.annotation, (store, "cache", signature))
         return super().exchange_first(site, plan, reuse, window)
 
     def original(self, *args: Any, **kwargs: Any) -> Any:
@@ -341,7 +341,7 @@ class WanCausalConvParallel(ParallelStyle):
         spec = HaloShard(3, left=pads[0], right=pads[1], pad="zeros")
         attach(module, resolve(module, spec, dim=3), device_mesh)
         base = module.forward
-        assert isinstance(base, _HaloForward)
+        assert isinstance(base, HaloForward)
         module.forward = _CachedRowsForward(  # the handle restores base.previous
             module, base.annotation, base.mesh, base.saved, base.previous, overlap=False,
             name=base.name)

@@ -81,7 +81,7 @@ from haloshard._forward import (
     install,
     names_errors,
 )
-from haloshard._hooks import _HaloForward, _window, attach
+from haloshard._halo_forward import HaloForward, attach, halo_window
 from haloshard._layer_styles import (
     CausalConvParallel,
     FirstFrameParallel,
@@ -289,7 +289,7 @@ class HunyuanUpsampleParallel(ParallelStyle):
                device_mesh)
         if _direct_upsample(module):
             base = module.forward
-            assert isinstance(base, _HaloForward)
+            assert isinstance(base, HaloForward)
             module.forward = _UpsampleForward(module, base.annotation, base.mesh, base.saved,
                                               base.previous, overlap=False, name=base.name)
         _also_rows(module, _hunyuan_rows)
@@ -309,7 +309,7 @@ def _direct_upsample(module: nn.Module) -> bool:
             and conv.dilation[0] == 1 and pads[0] == pads[1] and pads[2] == pads[3])
 
 
-class _UpsampleForward(_HaloForward):
+class _UpsampleForward(HaloForward):
     """`HunyuanVideoUpsampleCausal3D` on `Shard(T)` without running its forward on a
     window: the up-frames this rank's outputs read (its `span - 1` frames of history
     included, replicate-padded on H and W) are gathered from the exchanged input window in
@@ -329,7 +329,7 @@ class _UpsampleForward(_HaloForward):
             return super().sharded(x, *args, **kwargs)
         uniform = enabled_local_tensor_mode() is not None
         plan = plan_windows(stencil, site.length, world, uniform=uniform)
-        window = _window(site, plan, self.annotation, self.reuse(site))
+        window = halo_window(site, plan, self.annotation, self.reuse(site))
         rank, m = site.mesh.get_local_rank(site.axis), self.module
         (_, _, h, w), wrapper = window.shape[1:], m.conv
         pads = wrapper.time_causal_padding

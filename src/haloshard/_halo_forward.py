@@ -1,20 +1,16 @@
-"""Annotated modules and the automatic halo around their forward.
+"""The strategy of a layer with a halo: `HaloForward`, installed by `_forward.install`.
 
-`annotate` marks a module with the halo it needs (derived from a conv, pooling or upsampling
-module, or an explicit `HaloShard` for a wrapper); `attach` makes it run on sharded inputs:
-the input's `Shard(dim)` chunk is extended by its halo (`halo_exchange`), narrowed to the
-window this rank's outputs need, the module runs with its own padding along `dim` removed,
-and its output is narrowed to this rank's `Shard(dim)` chunk of the single-device output.
-
-The halo is applied by wrapping the module's `forward` (an instance attribute that
-`HaloHandle.remove` deletes again) rather than by a forward pre-hook / post-hook pair: the
-hook state must be unwound even when `forward` raises, and torch does not call forward hooks
-then. Inside that wrapper:
+A halo layer runs on `Shard(dim)` inputs: the input's chunk (`_site`) is extended by its
+halo (`halo_exchange`), narrowed to the window this rank's outputs need (`halo_window`), the
+module runs with its own padding along `dim` removed, and its output is narrowed to this
+rank's `Shard(dim)` chunk of the single-device output. A conv with torch's own forward runs
+as `halo_conv` instead, in the formulation `_choice` picks. Inside the forward:
 - nested halo modules (a conv inside an annotated wrapper) pass straight through with their
   own padding, because the enclosing module already received its halo;
 - for an explicit spec, the module's own padding along `dim` (`F.pad`, or `torch.cat` of
-  repeated frames around its input) is neutralised by a `TorchFunctionMode`, which catches
-  those calls however the model imported them, so a causal wrapper runs unedited.
+  repeated frames around its input) is neutralised by `_no_pad.NoPadAlong`, so a causal
+  wrapper runs unedited;
+- under `haloshard.packed` a conv runs per document (`_packed`).
 """
 
 from __future__ import annotations
@@ -102,7 +98,7 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
     known = known_forward(module)
     for name, value in new.items():
         setattr(module, name, value)
-    forward = _HaloForward(module, annotation, mesh, saved, previous,
+    forward = HaloForward(module, annotation, mesh, saved, previous,
                            overlap=overlap if known else False,
                            watch=(annotation.spec is None and not known
                                   and isinstance(module, DERIVABLE)),
@@ -110,7 +106,7 @@ def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *
     return install(module, forward, saved)
 
 
-class _HaloForward(ShardedForward):
+class HaloForward(ShardedForward):
     """The strategy of a layer with a halo: exchange, run the module on its window (or as
     `halo_conv`), keep this rank's outputs (see the module docstring)."""
 
@@ -256,7 +252,7 @@ class _HaloForward(ShardedForward):
             stencils.append(stencil)
         for i, ((axis, d, plan), stencil) in enumerate(zip(plans, stencils, strict=True)):
             try:
-                x = _window(replace(site, local=x, axis=axis, dim=d), plan,
+                x = halo_window(replace(site, local=x, axis=axis, dim=d), plan,
                             Annotation(None, d, stencil), reuse)
             except HaloError:
                 _fail_later_axes(site, plans[i + 1 :], stencils[i + 1 :], reuse)
@@ -336,7 +332,7 @@ class _HaloForward(ShardedForward):
                        **kwargs: Any) -> Any:
         """Exchange the halo, then run the module's own forward on this rank's window."""
         annotation = self.annotation
-        window = _window(site, plan, annotation, reuse)
+        window = halo_window(site, plan, annotation, reuse)
         token = _INSIDE.set(True)
         try:
             with NoPadAlong(annotation.dim, annotation.spec, window, watch=self.watch,
@@ -421,7 +417,7 @@ def _exchange_pad(stencil: Stencil, plan: WindowPlan) -> str:
     return f"{pad}-or-zeros"
 
 
-def _window(site: Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse
+def halo_window(site: Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse
             ) -> torch.Tensor:
     """Exchange the halo, fill beyond the global ends if needed, cut this rank's window."""
     stencil, dim = annotation.stencil, annotation.dim
