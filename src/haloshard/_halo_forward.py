@@ -38,10 +38,7 @@ from haloshard._errors import HaloError
 from haloshard._exchange import Reuse, exchange
 from haloshard._forward import INSIDE as _INSIDE
 from haloshard._forward import (
-    HaloHandle,
     ShardedForward,
-    handle_of,
-    install,
     module_name,
 )
 from haloshard._layout import (
@@ -70,42 +67,6 @@ from haloshard._varlen import active_boundaries
 LocalRun = Callable[..., Any]
 
 
-def attach(module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *,
-           overlap: bool | None = None, local: LocalRun | None = None) -> HaloHandle:
-    """Make `module` run on `Shard(dim)` inputs with its halo; see the module docstring.
-
-    Args:
-        module: the module, already validated into `annotation` by `resolve`.
-        annotation: its halo.
-        mesh: used for plain-tensor inputs (1-D); DTensor inputs bring their own mesh.
-        overlap: run stride-1 convs that keep the length as `halo_conv`, which convolves
-            the chunk while the halo is in flight; False exchanges first; None chooses per
-            input signature (see `_choice.ConvChoice.overlaps`).
-        local: how the module runs on its window, `local(forward, window, *args, **kwargs)`;
-            None calls `forward(window, *args, **kwargs)`.
-
-    Raises:
-        HaloError: when a halo is already attached to the module.
-    """
-    if handle_of(module) is not None:
-        raise HaloError(f"a halo is already attached to {type(module).__name__}; applying it "
-                        "twice would exchange two halos: call its handle's remove() first")
-    new = local_attrs(module, annotation.dim)
-    saved = {name: getattr(module, name) for name in new}
-    previous = module.__dict__.get("forward")
-    # A forward of its own may pad `dim` in ways no attribute shows: it is never replaced by
-    # halo_conv, and a derived halo is checked against what it does at run time.
-    known = known_forward(module)
-    for name, value in new.items():
-        setattr(module, name, value)
-    forward = HaloForward(module, annotation, mesh, saved, previous,
-                           overlap=overlap if known else False,
-                           watch=(annotation.spec is None and not known
-                                  and isinstance(module, DERIVABLE)),
-                           name=module_name(module), local=local, known=known)
-    return install(module, forward, saved)
-
-
 class HaloForward(ShardedForward):
     """The strategy of a layer with a halo: exchange, run the module on its window (or as
     `halo_conv`), keep this rank's outputs (see the module docstring)."""
@@ -130,6 +91,47 @@ class HaloForward(ShardedForward):
         # other sharded dims along which a style knows the module's stencil: it runs
         # unedited on its window there too (its own padding kept, reaching dropped outputs)
         self.stencils: dict[int, Stencil] = {}
+
+    @classmethod
+    def of(cls, module: nn.Module, annotation: Annotation, mesh: DeviceMesh | None, *,
+           overlap: bool | None = None, local: LocalRun | None = None) -> HaloForward:
+        """The halo strategy that makes `module` run on `Shard(dim)` inputs (see the module
+        docstring), to install with `_forward.install`, which sets the module's padding
+        along `dim` to what the halo supplies (`attributes`) and restores it on `remove()`.
+
+        Args:
+            module: the module, already validated into `annotation` by `resolve`.
+            annotation: its halo.
+            mesh: used for plain-tensor inputs (1-D); DTensor inputs bring their own mesh.
+            overlap: run stride-1 convs that keep the length as `halo_conv`, which
+                convolves the chunk while the halo is in flight; False exchanges first;
+                None chooses per input signature (see `_choice.ConvChoice.overlaps`).
+            local: how the module runs on its window, `local(forward, window, *args,
+                **kwargs)`; None calls `forward(window, *args, **kwargs)`.
+
+        Example::
+            >>> from haloshard._annotation import resolve
+            >>> from haloshard._forward import install
+            >>> conv = nn.Conv1d(2, 2, 3, padding=1)
+            >>> handle = install(conv, HaloForward.of(conv, resolve(conv), None))
+            >>> conv.padding, handle.remove(), conv.padding
+            ((0,), None, (1,))
+        """
+        saved = {name: getattr(module, name) for name in local_attrs(module, annotation.dim)}
+        # A forward of its own may pad `dim` in ways no attribute shows: it is never
+        # replaced by halo_conv, and a derived halo is checked against what it does at run
+        # time.
+        known = known_forward(module)
+        return cls(module, annotation, mesh, saved, module.__dict__.get("forward"),
+                   overlap=overlap if known else False,
+                   watch=(annotation.spec is None and not known
+                          and isinstance(module, DERIVABLE)),
+                   name=module_name(module), local=local, known=known)
+
+    def attributes(self) -> dict[str, Any]:
+        """The module's padding along `dim` while the halo is installed: none (the halo
+        supplies it)."""
+        return local_attrs(self.module, self.annotation.dim)
 
     def fresh(self) -> None:
         # The last agreement of each exchange (see `Reuse`): a layer validates its arguments

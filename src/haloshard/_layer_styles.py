@@ -65,7 +65,7 @@ from haloshard._forward import (
     output_layouts,
 )
 from haloshard._forward import INSIDE as _INSIDE
-from haloshard._halo_forward import HaloForward, LocalRun, attach, halo_window
+from haloshard._halo_forward import HaloForward, LocalRun, halo_window
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
 from haloshard._no_pad import NoPadAlong
 from haloshard._norms import group_norm
@@ -903,7 +903,8 @@ class CausalConvParallel(ParallelStyle):
         left, right = self.pads.get(self.dim, (span - 1, 0))
         stencil = ConvStencil(span=span, stride=conv.stride[si], pad_left=left,
                               pad_right=right, pad=self.pad)
-        plain = attach(module, Annotation(None, self.dim, stencil), device_mesh)
+        halo = HaloForward.of(module, Annotation(None, self.dim, stencil), device_mesh)
+        plain = install(module, halo)
         base = module.forward
         assert isinstance(base, HaloForward) and plain.attached
         forward = _StripPadForward(module, base.annotation, base.mesh, base.saved,
@@ -1260,7 +1261,8 @@ class FirstFrameParallel(ParallelStyle):
                                 f"reads more than one frame of context; use {fitting}")
         run = _FirstFrameRun(self.stencil, self.dim, self.local, _kernels(module, self.dim),
                              type(module).__name__)
-        attach(module, Annotation(None, self.dim, self.stencil), device_mesh, local=run)
+        install(module, HaloForward.of(module, Annotation(None, self.dim, self.stencil),
+                                       device_mesh, local=run))
         base = module.forward
         assert isinstance(base, HaloForward)
         forward = _FirstFrameForward(module, base.annotation, base.mesh, base.saved,

@@ -24,10 +24,11 @@ from haloshard._forward import (
     HaloHandle,
     check_layouts,
     handle_of,
+    install,
     names_errors,
     output_layouts,
 )
-from haloshard._halo_forward import LocalRun, attach
+from haloshard._halo_forward import HaloForward, LocalRun
 from haloshard._layer_styles import GroupNormParallel
 from haloshard._layout import HaloShard
 from haloshard._specs import _CONVS, _TRANSPOSED, DERIVABLE, Stencil, is_stencil, spatial_index
@@ -109,8 +110,9 @@ class HaloParallel(ParallelStyle):
 
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        attach(module, resolve(module, self.spec, dim=self.dim), device_mesh,
-               overlap=self.overlap, local=self.local)
+        annotation = resolve(module, self.spec, dim=self.dim)
+        install(module, HaloForward.of(module, annotation, device_mesh, overlap=self.overlap,
+                                       local=self.local))
         output_layouts(module, self.dim, self.output_layouts, self.use_local_output)
         return module
 

@@ -20,8 +20,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from haloshard._annotation import Annotation
 from haloshard._errors import HaloError
-from haloshard._forward import names_errors
-from haloshard._halo_forward import attach
+from haloshard._forward import install, names_errors
+from haloshard._halo_forward import HaloForward
 from haloshard._layout import PadMode
 
 
@@ -90,5 +90,5 @@ class LTXDownsamplerParallel(ParallelStyle):
                             f"dilation 1 along T, got {stride}, {dilation}")
         before, after = (k - 1, 0) if conv.is_causal else ((k - 1) // 2, (k - 1) // 2)
         stencil = SpaceToDepthStencil(module.stride[0], before, after)
-        attach(module, Annotation(None, self.dim, stencil), device_mesh)
+        install(module, HaloForward.of(module, Annotation(None, self.dim, stencil), device_mesh))
         return module

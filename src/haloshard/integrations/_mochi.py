@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from haloshard._annotation import Annotation
 from haloshard._errors import HaloError
-from haloshard._halo_forward import attach
+from haloshard._forward import install
+from haloshard._halo_forward import HaloForward
 from haloshard._layout import PadMode
 
 
@@ -73,7 +74,7 @@ def _drop(vae: nn.Module, count: int) -> _DropFirst:
     drop = _DROPS.get(vae)
     if drop is None or drop.count != count:
         drop = _DropFirst(count)
-        attach(drop, Annotation(None, 2, DropFirstStencil(count)), None)
+        install(drop, HaloForward.of(drop, Annotation(None, 2, DropFirstStencil(count)), None))
         _DROPS[vae] = drop
     return drop
 

@@ -56,7 +56,7 @@ from haloshard._compat import enabled_local_tensor_mode
 from haloshard._errors import HaloError
 from haloshard._exchange import Reuse
 from haloshard._forward import ShardedForward, install, names_errors
-from haloshard._halo_forward import HaloForward, attach, halo_window
+from haloshard._halo_forward import HaloForward, halo_window
 from haloshard._layer_styles import FirstFrameParallel, LocalParallel
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
 from haloshard._site import Site, dtensor_site, rewrap, site_of
@@ -339,7 +339,7 @@ class WanCausalConvParallel(ParallelStyle):
                             f"{k}, H padding {pads}, stride {module.stride[1]}, dilation "
                             f"{module.dilation[1]}")
         spec = HaloShard(3, left=pads[0], right=pads[1], pad="zeros")
-        attach(module, resolve(module, spec, dim=3), device_mesh)
+        install(module, HaloForward.of(module, resolve(module, spec, dim=3), device_mesh))
         base = module.forward
         assert isinstance(base, HaloForward)
         module.forward = _CachedRowsForward(  # the handle restores base.previous

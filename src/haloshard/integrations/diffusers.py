@@ -81,7 +81,7 @@ from haloshard._forward import (
     install,
     names_errors,
 )
-from haloshard._halo_forward import HaloForward, attach, halo_window
+from haloshard._halo_forward import HaloForward, halo_window
 from haloshard._layer_styles import (
     CausalConvParallel,
     FirstFrameParallel,
@@ -271,7 +271,8 @@ class HunyuanUpsampleParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "HunyuanVideoUpsampleCausal3D", "HunyuanUpsampleParallel")
         if self.dim == 3:
-            attach(module, Annotation(None, 3, _hunyuan_rows(module)), device_mesh)
+            install(module, HaloForward.of(module, Annotation(None, 3, _hunyuan_rows(module)),
+                                           device_mesh))
             return module
         _check_time_dim(self.dim, "HunyuanUpsampleParallel")
         factor, wrapper = module.upsample_factor[0], module.conv
@@ -285,8 +286,8 @@ class HunyuanUpsampleParallel(ParallelStyle):
                             f"a causal replicate conv of stride 1, got factor {factor}, "
                             f"kernel {k}, stride {stride}, dilation {dilation}, padding "
                             f"{wrapper.time_causal_padding}, pad_mode {wrapper.pad_mode!r}")
-        attach(module, Annotation(None, self.dim, UpCausalStencil(int(factor), span)),
-               device_mesh)
+        stencil = UpCausalStencil(int(factor), span)
+        install(module, HaloForward.of(module, Annotation(None, self.dim, stencil), device_mesh))
         if _direct_upsample(module):
             base = module.forward
             assert isinstance(base, HaloForward)
@@ -1063,7 +1064,8 @@ class MochiUpBlockParallel(ParallelStyle):
             _check_time_dim(self.dim, "MochiUpBlockParallel")
         factor = module.temporal_expansion if self.dim == 2 else module.spatial_expansion
         expand = _MochiExpand(module)
-        attach(expand, Annotation(None, self.dim, RepeatStencil(factor)), device_mesh)
+        install(expand, HaloForward.of(expand, Annotation(None, self.dim, RepeatStencil(factor)),
+                                       device_mesh))
         if self.dim == 2:  # with H sharded too, each row becomes spatial_expansion rows
             _also_rows(expand, lambda m: RepeatStencil(module.spatial_expansion))
         install(module, _MochiUpForward(module, expand, self.dim))
@@ -1145,7 +1147,8 @@ class LTXUpsamplerParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "LTXVideoUpsampler3d", "LTXUpsamplerParallel")
         if self.dim == 3:
-            attach(module, Annotation(None, 3, _ltx_rows(module)), device_mesh)
+            install(module, HaloForward.of(module, Annotation(None, 3, _ltx_rows(module)),
+                                           device_mesh))
             return module
         _check_time_dim(self.dim, "LTXUpsamplerParallel")
         conv = module.conv
@@ -1155,7 +1158,7 @@ class LTXUpsamplerParallel(ParallelStyle):
                             f"dilation 1 along T, got {stride}, {conv.conv.dilation[0]}")
         before, after = (k - 1, 0) if conv.is_causal else ((k - 1) // 2, (k - 1) // 2)
         stencil = ConvDepthToSpaceStencil(module.stride[0], before, after)
-        attach(module, Annotation(None, self.dim, stencil), device_mesh)
+        install(module, HaloForward.of(module, Annotation(None, self.dim, stencil), device_mesh))
         _also_rows(module, _ltx_rows)
         return module
 
