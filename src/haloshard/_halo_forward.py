@@ -255,7 +255,7 @@ class HaloForward(ShardedForward):
         for i, ((axis, d, plan), stencil) in enumerate(zip(plans, stencils, strict=True)):
             try:
                 x = halo_window(replace(site, local=x, axis=axis, dim=d), plan,
-                            Annotation(None, d, stencil), reuse)
+                                Annotation(None, d, stencil), reuse)
             except HaloError:
                 _fail_later_axes(site, plans[i + 1 :], stencils[i + 1 :], reuse)
                 raise
@@ -324,7 +324,7 @@ class HaloForward(ShardedForward):
                     own = self.own_pads.get(d)
                     stack.enter_context(NoPadAlong(d, own, x, watch=own is None))
                 stack.enter_context(NoPadAlong(annotation.dim, annotation.spec, x,
-                                                watch=self.watch, plain=self.plain))
+                                               watch=self.watch, plain=self.plain))
                 return (self.original(x, *args, **kwargs) if self.local is None
                         else self.local(self.original, x, *args, **kwargs))
         finally:
@@ -338,7 +338,7 @@ class HaloForward(ShardedForward):
         token = _INSIDE.set(True)
         try:
             with NoPadAlong(annotation.dim, annotation.spec, window, watch=self.watch,
-                             plain=self.plain):
+                            plain=self.plain):
                 return (self.original(window, *args, **kwargs) if self.local is None
                         else self.local(self.original, window, *args, **kwargs))
         finally:
@@ -420,7 +420,7 @@ def _exchange_pad(stencil: Stencil, plan: WindowPlan) -> str:
 
 
 def halo_window(site: Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse
-            ) -> torch.Tensor:
+                ) -> torch.Tensor:
     """Exchange the halo, fill beyond the global ends if needed, cut this rank's window."""
     stencil, dim = annotation.stencil, annotation.dim
     rank = site.mesh.get_local_rank(site.axis)

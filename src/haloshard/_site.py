@@ -147,7 +147,7 @@ def dtensor_site(x: DTensor, dim: int, *, several: bool = False) -> Site:
                                "AttentionParallel take a second)"))
         others.append((a, d))
     return Site(unwrap(x), x.device_mesh, axes[0], tuple(x.placements),
-                 tuple(x.shape), dim, tuple(others))
+                tuple(x.shape), dim, tuple(others))
 
 
 @maybe_run_for_local_tensor
