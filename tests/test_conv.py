@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from haloshard import HaloError, _conv, halo_conv
-from haloshard._conv import CORRECTED, SPLIT, WHOLE, _ConvArgs, halo_taps
+from haloshard import HaloError, _choice, _conv, halo_conv
+from haloshard._choice import CORRECTED, SPLIT, WHOLE
+from haloshard._conv import _ConvArgs, halo_taps
 from haloshard.testing import (
     assert_close_per_rank,
     check_module,
@@ -345,7 +346,7 @@ def test_taps_where_the_window_conv_is_slow() -> None:
         w = torch.zeros(shape[1], shape[1], *(3,) * (len(shape) - 2), dtype=dtype)
         n = len(shape) - 2
         args = _ConvArgs(2, 1, 1, [1] * n, [0] + [1] * (n - 1), [1] * n, 1, WHOLE, False)
-        return _conv._by_taps(x, w, args)
+        return _choice.by_taps(x, w, args)
 
     assert by_taps((1, 32, 2, 32, 32)) and by_taps((1, 64, 4, 48, 48))
     assert by_taps((1, 8, 9, 6, 6), torch.float64)

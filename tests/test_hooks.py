@@ -37,7 +37,9 @@ from haloshard import (
     halo_plan,
     reduce_grads,
 )
-from haloshard._hooks import annotation_of, attach, resolve
+from haloshard._annotation import annotation_of, resolve
+from haloshard._forward import install
+from haloshard._halo_forward import HaloForward
 from haloshard.testing import (
     CausalConv3d,
     assert_close_per_rank,
@@ -322,7 +324,7 @@ def case_runtime_errors(mesh: DeviceMesh, seed: int) -> None:
     with pytest.raises(HaloError, match="output_size= is not supported"):
         up(sharded(mesh, full)[0], output_size=[12])
     unmeshed = nn.Conv1d(2, 2, 3)
-    attach(unmeshed, resolve(unmeshed), None)
+    install(unmeshed, HaloForward.of(unmeshed, resolve(unmeshed), None))
     with pytest.raises(HaloError, match="plain-tensor input needs a mesh"):
         unmeshed(full)
 
@@ -497,7 +499,7 @@ def test_halo_plan_entries() -> None:
 def test_deepcopy_of_a_halo_model_runs_the_copy() -> None:
     """A copy (EMA, checkpoint averaging) must not call back into the original module."""
     conv = nn.Conv1d(1, 1, 3, padding=1)
-    handle = attach(conv, resolve(conv), None)
+    handle = install(conv, HaloForward.of(conv, resolve(conv), None))
     clone = copy.deepcopy(conv)
     assert clone.forward.module is clone and clone.forward.mesh is None  # type: ignore[attr-defined]
     assert halo_handles(clone)[""].attached and clone.padding == (0,)
@@ -631,8 +633,9 @@ def test_taps_everywhere_from_the_global_shape() -> None:
     longest chunk's window on its slow conv3d path: read from the global shape and the
     conv's own arguments (the padding of the other dims applied first for a padding mode
     other than zeros), so every rank decides alike."""
+    from haloshard._choice import _taps_everywhere
     from haloshard._compat import maybe_disable_local_tensor_mode
-    from haloshard._hooks import _Site, _taps_everywhere
+    from haloshard._site import Site as _Site
     from haloshard._specs import derive_stencil, plan_windows
 
     def rule(conv: nn.Module, shape: tuple[int, ...], dtype: torch.dtype = torch.float32

@@ -31,8 +31,8 @@ from haloshard import (
     TransposeStencil,
     shard_size_and_offset,
 )
-from haloshard._hooks import _NoPadAlong
 from haloshard._layout import check_pad_fits
+from haloshard._no_pad import NoPadAlong as _NoPadAlong
 from haloshard._specs import (
     check_spec,
     conv_padding,

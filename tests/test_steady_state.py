@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from haloshard import HaloError, HaloParallel, HaloShard
-from haloshard._hooks import _TRIAL_MAX_ROUNDS, _TRIAL_ROUNDS
+from haloshard._choice import _TRIAL_MAX_ROUNDS, _TRIAL_ROUNDS
 from haloshard.testing import (
     counted_collectives,
     reference_halo,
@@ -291,7 +291,7 @@ def test_trial_leaves_no_gradient(gloo: Callable[[int], Any]) -> None:
 
 
 def test_exchange_first_only_when_clearly_faster() -> None:
-    from haloshard._hooks import _overlap_kept
+    from haloshard._choice import _overlap_kept
 
     # per rank: (overlapped conv's fastest round, exchange-first's fastest round), in us
     assert _overlap_kept([[1000, 950], [1000, 930]])  # 6% faster: within the margin

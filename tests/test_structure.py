@@ -194,7 +194,7 @@ def test_one_pad_mode_table() -> None:
 def test_halo_parallel_states_the_trial_margin() -> None:
     """`HaloParallel`'s docstring gives the margin the formulation trial applies."""
     from haloshard import HaloParallel
-    from haloshard._hooks import _EXCHANGE_FIRST_MARGIN
+    from haloshard._choice import _EXCHANGE_FIRST_MARGIN
 
     doc = " ".join((HaloParallel.__doc__ or "").split())
     assert f"must be {round(_EXCHANGE_FIRST_MARGIN * 100)}% faster" in doc

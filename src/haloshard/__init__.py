@@ -9,6 +9,7 @@ mishandle that placement silently.
 __version__ = "0.1.0.dev0"  # the one place it is set: pyproject.toml reads it
 
 from haloshard import _dtensor_ops, _layout
+from haloshard._annotation import annotate
 from haloshard._attention import attention, gather_along
 from haloshard._comm import set_timeout
 from haloshard._conv import halo_conv
@@ -16,9 +17,6 @@ from haloshard._errors import HaloError
 from haloshard._exchange import TRANSPORTS, halo_exchange
 from haloshard._forward import (
     HaloHandle,
-)
-from haloshard._hooks import (
-    annotate,
 )
 from haloshard._layer_styles import (
     AttentionParallel,

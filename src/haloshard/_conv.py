@@ -29,9 +29,8 @@ from typing import Any
 import torch
 from einops import rearrange
 
-from haloshard import _comm
+from haloshard._choice import CORRECTED, SPLIT, by_taps, formulation
 from haloshard._comm import GroupLike, Pending
-from haloshard._compat import SLOW_CONV3D, select_conv_backend
 from haloshard._errors import HaloError
 from haloshard._exchange import (
     HaloMove,
@@ -62,12 +61,6 @@ def with_spare_slice(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim)
 
 
-# The formulations of `halo_conv` (`_ConvArgs.path`): the chunk's own conv plus boundary
-# corrections (equal halos), an interior conv and two edge windows (unequal halos), or the
-# conv of the exchanged chunk (chunks shorter than the kernel's reach, or overlap=False).
-CORRECTED, SPLIT, WHOLE = "corrected", "split", "whole"
-
-
 @dataclass(frozen=True)
 class _ConvArgs:
     dim: int
@@ -77,7 +70,7 @@ class _ConvArgs:
     padding: list[int]
     dilation: list[int]
     groups: int
-    path: str  # CORRECTED, SPLIT or WHOLE
+    path: str  # CORRECTED, SPLIT or WHOLE (`_choice.formulation`)
     spare: bool  # some rank's chunk is empty: every rank convolves one spare zero slice more
 
     @property
@@ -345,7 +338,7 @@ class _HaloConv(torch.autograd.Function):
         else:
             # An empty chunk would ask the conv for zero outputs, which it refuses: one zero
             # slice more gives it one output, dropped again (and its gradient is zero).
-            ctx.taps = _by_taps(x, weight, args)
+            ctx.taps = by_taps(x, weight, args)
             if ctx.taps:
                 frames, buf = _frames_first(x, args)
                 move.assemble(x, moved, out=buf)
@@ -486,44 +479,6 @@ _INPUT_GRAD = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input,
                3: torch.nn.grad.conv3d_input}
 
 
-def _by_taps(x: torch.Tensor, weight: torch.Tensor, args: _ConvArgs) -> bool:
-    """Whether the exchanged window's conv3d runs as one conv2d per kernel tap along `dim`
-    (`_taps_conv`): for a 5-D contiguous eager chunk, where torch would run the window's
-    conv3d on its slow path (asked of torch's own choice of kernel) or the chunk is one
-    frame long. Each tap reads `T_r` frames of the window, folded into the batch, so
-    oneDNN runs it. Measured fwd+bwd, 1 thread, against the chunk's own padded conv3d:
-    0.30 to 0.63 of its time (C32 to C128, 2 to 16 frames, 32x32 to 64x64), where the
-    window's conv3d took 0.95 to 1.21; where oneDNN runs the window (C256 T2, C128 T8
-    64x64, bf16) it stays: the taps took 1.04 to 1.33 of its time there."""
-    length = x.shape[args.dim]
-    if not taps_layout(x) or not isinstance(length, int) or length < 1 or args.spare:
-        return False
-    if length == 1:
-        return True
-    shape = list(x.shape)
-    shape[args.dim] = length + args.reach
-    return slow_window(x, shape, weight, args.stride, args.padding, args.dilation,
-                       args.groups)
-
-
-def taps_layout(x: torch.Tensor) -> bool:
-    """A chunk whose window can be convolved tap by tap: a 5-D, contiguous, eager tensor
-    (the frames-first window is built for that layout)."""
-    return x.ndim == 5 and _comm.is_eager(x) and memory_format(x) == torch.contiguous_format
-
-
-def slow_window(x: torch.Tensor, shape: list[int], weight: torch.Tensor, stride: list[int],
-                padding: list[int], dilation: list[int], groups: int) -> bool:
-    """Whether torch would run the conv3d of a window of `shape` (`x`'s dtype and device)
-    on its slow path: on CPU, float64, or a batch of one with dilation or with few
-    channels, frames and rows (`C * T * H <= 20480`); its im2col columns are 27 times the
-    input for k3. Asked of torch's own choice of kernel, which reads sizes and dtype, not
-    data."""
-    window = x.new_empty(1).expand(shape)
-    return select_conv_backend(window, weight, None, stride, padding, dilation, False,
-                               [0, 0, 0], groups) in SLOW_CONV3D
-
-
 def _other_dims(args: _ConvArgs) -> tuple[list[int], list[int], list[int]]:
     """Stride, padding and dilation of the dims other than `dim`."""
     along = args.dim - 2
@@ -552,7 +507,7 @@ def _taps_conv(frames: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                args: _ConvArgs, length: int) -> torch.Tensor:
     """`(T', B, C, ...) -> (B, O, T_r, ...)`: the window's conv3d as the sum over taps `j`
     of `conv2d(frames[j d : j d + T_r], weight[:, :, j])`, the frames folded into the batch
-    (see `_by_taps`)."""
+    (see `_choice.by_taps`)."""
     dim, dilation = args.dim, args.dilation[args.dim - 2]
     stride, padding, dil = _other_dims(args)
     y = None
@@ -602,7 +557,7 @@ def _whole_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     the window rebuilt, which is then dropped; the input gradient from the window's shape
     alone (`torch.nn.grad.conv*_input`), its halo gradients sent to their owners while the
     chunk's part is copied out, then added in. A window convolved tap by tap (`taps`, see
-    `_by_taps`) takes both tap by tap (`_taps_backward`)."""
+    `_choice.by_taps`) takes both tap by tap (`_taps_backward`)."""
     dim, length = args.dim, x.shape[args.dim]
     if taps:
         g_buf, g_w = _taps_backward(grad, x, weight, windows[0], args)
@@ -712,7 +667,7 @@ def halo_conv(
     if _choose is not None and move is not None:  # agreed: every rank chooses alike
         overlap = _choose()
     n = weight.ndim - 2
-    path = _formulation(overlap, _path, min(lengths), left, right)
+    path = formulation(overlap, _path, min(lengths), left, right)
     spare = min(lengths) == 0
     conv_args = _ConvArgs(dim, left, right, *args, groups, path, spare)
     if move is None:  # a kernel of one along dim: no halo (and, for an empty chunk, a spare)
@@ -723,15 +678,3 @@ def halo_conv(
         return _CorrectedConv.apply(x, weight, bias, move, conv_args)
     return _HaloConv.apply(x, weight, bias, move, conv_args)
 
-
-def _formulation(overlap: bool, forced: str | None, shortest: int, left: int, right: int
-                 ) -> str:
-    """The formulation every rank runs (from the shortest chunk, so all ranks alike)."""
-    if forced not in (None, CORRECTED, SPLIT, WHOLE):
-        raise HaloError(f"_path must be None, {CORRECTED!r}, {SPLIT!r} or {WHOLE!r}, got "
-                        f"{forced!r}")
-    if not overlap or forced == WHOLE:
-        return WHOLE
-    if forced != SPLIT and left == right and shortest >= left + right:
-        return CORRECTED
-    return SPLIT if shortest >= left + right + 1 else WHOLE

@@ -1,14 +1,13 @@
 """One mechanism that runs a module sharded: its `forward` replaced by a `ShardedForward`.
 
-Every haloshard style installs one with `install` (a halo layer's through `_hooks.attach`,
-which first sets its padding along the dim to what the halo supplies), whose handle restores
-exactly the forward and attributes it replaced (and removes the output hook of
-`output_layouts`). A call goes: input site (the
-local chunk of a `Shard(dim)` DTensor, or a plain chunk on the style's 1-D mesh) -> the
-strategy's local computation -> the output chunk, rewrapped as the input came. The
-strategies are subclasses, one `sharded` each:
+Every haloshard style installs one with `install` (a halo layer's padding along the dim set
+to what the halo supplies: `ShardedForward.attributes`), whose handle restores exactly the
+forward and attributes it replaced (and removes the output hook of `output_layouts`). A call
+goes: input site (`_site`: the local chunk of a `Shard(dim)` DTensor, or a plain chunk on the
+style's 1-D mesh) -> the strategy's local computation -> the output chunk, rewrapped as the
+input came. The strategies are subclasses, one `sharded` each:
 
-- `_HaloForward` (`_hooks`): a layer with a halo (conv, pooling, resampling, any stencil);
+- `HaloForward` (`_halo_forward`): a layer with a halo (conv, pooling, resampling, any stencil);
 - `_LocalForward` and its subclasses (`_layer_styles`): per-slice layers, GroupNorm,
   attention, blocks meeting per-sample tensors;
 - the diffusers integration's block forwards (mid-block attention, spatial norm, ...).
@@ -69,9 +68,9 @@ class _Flag:
 
 
 INSIDE = _Flag()
-# The sites (`_hooks._Site`) of the blocks running their own forward on a chunk now
+# The sites (`_site.Site`) of the blocks running their own forward on a chunk now
 # (`AttentionParallel`), innermost last: a plain tensor a planned module meets inside one is
-# a chunk of that site's layout, carrying its spare slices (`_Site.spare`). A plain stack,
+# a chunk of that site's layout, carrying its spare slices (`Site.spare`). A plain stack,
 # not a ContextVar, which torch.compile cannot trace.
 ENCLOSING: list[Any] = []
 
@@ -110,6 +109,11 @@ class ShardedForward:
 
     def fresh(self) -> None:
         """Reset what a copy must not share (agreements cached per input signature)."""
+
+    def attributes(self) -> dict[str, Any]:
+        """Module attributes `install` sets while the strategy is installed (their values
+        then), restored by the handle; none by default."""
+        return {}
 
     def original(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own forward (the one this replaced)."""
@@ -264,24 +268,30 @@ def check_layouts(style: str, dim: int, input_layouts: Placement | None,
 
 def install(module: nn.Module, forward: Any, saved: dict[str, Any] | None = None
             ) -> HaloHandle:
-    """Replace `module.forward` by `forward` (an object with `previous` and `name`
-    attributes, which this sets); the returned handle (also `halo_handles(model)`) restores
-    exactly the forward it replaced, and the attributes in `saved` (their values before the
-    style changed them, e.g. a halo layer's padding along its dim).
+    """Replace `module.forward` by `forward` (a `ShardedForward`, whose `previous` and
+    `name` this sets) and set the attributes it names (`forward.attributes()`, e.g. a halo
+    layer's padding along its dim); the returned handle (also `halo_handles(model)`)
+    restores exactly the forward it replaced, those attributes, and the ones in `saved`
+    (their values before the style changed them).
 
     Raises:
         HaloError: when a haloshard style is already applied to the module.
     """
     if handle_of(module) is not None:
-        raise HaloError(f"a haloshard style is already applied to {type(module).__name__}; "
-                        "call its handle's remove() first")
+        raise HaloError(f"a haloshard style is already applied to {type(module).__name__}: "
+                        "its forward is already attached, and a second would run inside it "
+                        "(a halo exchanged twice); call its handle's remove() first")
     watch(handle_of)  # a plan's gaps are named in plain runs (see `haloshard._plan_gaps`)
+    attributes = forward.attributes()
+    saved = {**{name: getattr(module, name) for name in attributes}, **(saved or {})}
+    for name, value in attributes.items():
+        setattr(module, name, value)
     forward.previous = module.__dict__.get("forward")
     forward.name = module_name(module)
     module.forward = forward
     guard(planned_model())  # the plan's other modules, named if left out (`_plan_gaps`)
     unguard(module)
-    handle = HaloHandle(module, {} if saved is None else saved, forward.previous)
+    handle = HaloHandle(module, saved, forward.previous)
     setattr(module, _HANDLE, handle)
     return handle
 

@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm, _segments
 from haloshard._agree import Fields, Reuse, check_rows, gather
+from haloshard._annotation import Annotation
 from haloshard._attention import gather_many, sdpa
 from haloshard._compat import (
     LocalTensor,
@@ -65,23 +66,19 @@ from haloshard._forward import (
     output_layouts,
 )
 from haloshard._forward import INSIDE as _INSIDE
-from haloshard._hooks import (
-    Annotation,
-    LocalRun,
-    _dtensor_site,
-    _HaloForward,
-    _NoPadAlong,
-    _Site,
-    _site,
-    _window,
-    attach,
+from haloshard._halo_forward import HaloForward, LocalRun, halo_window
+from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
+from haloshard._no_pad import NoPadAlong
+from haloshard._norms import group_norm
+from haloshard._site import (
+    Site,
     check_same_length,
+    dtensor_site,
     has_spare,
     rewrap,
+    site_of,
     with_spare,
 )
-from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
-from haloshard._norms import group_norm
 from haloshard._specs import (
     _CONVS,
     _SPATIAL,
@@ -108,9 +105,9 @@ class _LocalForward(ShardedForward):
     style = "LocalParallel"
     local_dims: tuple[int, ...] = ()  # other dims the module treats slice by slice
 
-    def site(self, x: torch.Tensor) -> _Site:
+    def site(self, x: torch.Tensor) -> Site:
         if isinstance(x, DTensor):
-            site = _dtensor_site(x, self.dim, several=True)
+            site = dtensor_site(x, self.dim, several=True)
             along = [d for _, d in site.others if d not in self.local_dims]
             if along:
                 raise HaloError(f"{self.style} got an input also sharded on dim {along[0]}, "
@@ -127,9 +124,9 @@ class _LocalForward(ShardedForward):
             raise HaloError(f"{self.style} got a plain tensor and needs a 1-D mesh for it, got "
                             f"{self.mesh}; pass a DTensor or apply it to the cp sub-mesh")
         # The global length is not needed here: no collective to find it.
-        return _Site(x, self.mesh, 0, None, tuple(x.shape), self.dim)
+        return Site(x, self.mesh, 0, None, tuple(x.shape), self.dim)
 
-    def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def local(self, site: Site, *args: Any, **kwargs: Any) -> torch.Tensor:
         x, n = site.local, site.local.shape[self.dim]
         _refuse_mixing(self.module, self.dim, x.ndim, self.style)
         # An empty chunk (T < P) runs as one zero slice, dropped after: convs and pooling
@@ -159,7 +156,7 @@ class _LocalForward(ShardedForward):
                             f"from its local forward, got {type(y).__name__}")
         return rewrap(y, site, self.dim, site.length)
 
-def _equal_chunks(x: torch.Tensor, dim: int, site: _Site) -> torch.Tensor:
+def _equal_chunks(x: torch.Tensor, dim: int, site: Site) -> torch.Tensor:
     """Under simulated ranks, every rank's chunk zero-padded to the longest (at least one
     slice): a per-slice module that folds T into the batch and back (`flatten(0, 1)` ...
     `unflatten(0, (B, -1))`, per-frame attention) cannot run on per-rank lengths. The
@@ -319,7 +316,7 @@ def _per_slice_dims(module: nn.Module, dim: int) -> tuple[int, ...]:
 class _GroupNormForward(_LocalForward):
     style = "GroupNormParallel"
 
-    def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def local(self, site: Site, *args: Any, **kwargs: Any) -> torch.Tensor:
         gn, x = self.module, site.local
         assert isinstance(gn, nn.GroupNorm)
         if has_spare(site.spare):  # an enclosing block's spare slice counts in no statistic
@@ -332,10 +329,10 @@ class _GroupNormForward(_LocalForward):
                        global_length=None if site.placements is None else site.length)
         return with_spare(y, site)
 
-    def site(self, x: torch.Tensor) -> _Site:
+    def site(self, x: torch.Tensor) -> Site:
         # statistics combine over every mesh axis that shards a spatial dim (T and H)
         if isinstance(x, DTensor):
-            return _dtensor_site(x, self.dim, several=True)
+            return dtensor_site(x, self.dim, several=True)
         return super().site(x)
 
     def inside(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -388,7 +385,7 @@ class _TokenAttention(TorchFunctionMode):
     `(..., T, S, E)` and flattened back: every rank's queries see every token.
     """
 
-    def __init__(self, site: _Site, dim: int, agreed: dict[Any, Any]) -> None:
+    def __init__(self, site: Site, dim: int, agreed: dict[Any, Any]) -> None:
         super().__init__()
         self.site, self.dim, self.calls, self.agreed = site, dim, 0, agreed
         # Tokens per slice along dim: the other spatial dims. Unmasked attention does not
@@ -471,13 +468,13 @@ class _AttentionForward(_LocalForward):
         # K/V gathers agreed by global signature: later calls issue no metadata collective
         self.agreed: dict[Any, Any] = {}
 
-    def site(self, x: torch.Tensor) -> _Site:
+    def site(self, x: torch.Tensor) -> Site:
         if isinstance(x, DTensor):  # T, H or both sharded: K/V gathered over each
-            return _dtensor_site(x, self.dim, several=True)
+            return dtensor_site(x, self.dim, several=True)
         # Plain input: the global T comes from one small all-gather of the chunk lengths.
-        return _site(x, self.dim, self.mesh)
+        return site_of(x, self.dim, self.mesh)
 
-    def local(self, site: _Site, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def local(self, site: Site, *args: Any, **kwargs: Any) -> torch.Tensor:
         x, n = site.local, site.local.shape[self.dim]
         if isinstance(n, torch.SymInt) or n == 0:
             # An empty chunk runs as one zero slice (a block's `view(b, c, -1)` or conv
@@ -544,10 +541,10 @@ class _MultiheadForward(_LocalForward):
     def fresh(self) -> None:
         self.agreed: dict[Any, Any] = {}
 
-    def site(self, x: torch.Tensor) -> _Site:
+    def site(self, x: torch.Tensor) -> Site:
         if isinstance(x, DTensor):  # the sequence on one axis; Replicate or batch elsewhere
-            return _dtensor_site(x, self.dim)
-        return _site(x, self.dim, self.mesh)
+            return dtensor_site(x, self.dim)
+        return site_of(x, self.dim, self.mesh)
 
     def sharded(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
@@ -573,7 +570,7 @@ class _MultiheadForward(_LocalForward):
                      site.length)
         return out, None if weights is None else _weight_rows(weights, q is not x, n, site)
 
-    def gather(self, site: _Site, problem: str | None) -> torch.Tensor:
+    def gather(self, site: Site, problem: str | None) -> torch.Tensor:
         """The input all-gathered along dim. A call refused on some rank sends its input
         in another dtype instead: the ranks' tensors then disagree, so every rank raises
         in the gather at once, rather than the others waiting for this rank."""
@@ -595,7 +592,7 @@ class _MultiheadForward(_LocalForward):
         return full
 
 
-def _weight_rows(w: torch.Tensor, padded: bool, n: Any, site: _Site) -> Any:
+def _weight_rows(w: torch.Tensor, padded: bool, n: Any, site: Site) -> Any:
     """This rank's rows of the attention weights `(N, [heads,] L, L)`: `Shard` on their
     query dim where the input was sharded along its sequence."""
     rows = w.ndim - 2
@@ -719,7 +716,7 @@ class AttentionParallel(LocalParallel):
 
 
 # ---------------------------------------------------------------- temporal resampling
-class _StripPadForward(_HaloForward):
+class _StripPadForward(HaloForward):
     """The halo forward of a causal wrapper whose own `F.pad` along dim is dropped.
 
     Its `F.pad` of other dims that are not sharded (`pads` of the style) is applied to the
@@ -749,7 +746,7 @@ class _StripPadForward(_HaloForward):
         with ExitStack() as stack:
             dropped = [stack.enter_context(_DroppedPad(d, spec, args[0]))
                        for d, spec in self.padded.items()]
-            stack.enter_context(_NoPadAlong(self.annotation.dim, self.strip, args[0]))
+            stack.enter_context(NoPadAlong(self.annotation.dim, self.strip, args[0]))
             y = super().original(*args, **kwargs)
         for mode in dropped:
             if not mode.seen:  # the chunk was padded along a dim the wrapper does not pad
@@ -760,7 +757,7 @@ class _StripPadForward(_HaloForward):
                                 "forward pads")
         return y
 
-    def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
+    def exchange_first(self, site: Site, plan: WindowPlan, reuse: Reuse, *args: Any,
                        **kwargs: Any) -> Any:
         self.padded = self.padded_first(site)
         if not self.padded:
@@ -772,7 +769,7 @@ class _StripPadForward(_HaloForward):
         finally:
             _INSIDE.reset(token)
 
-    def padded_first(self, site: _Site) -> dict[int, HaloShard]:
+    def padded_first(self, site: Site) -> dict[int, HaloShard]:
         """The wrapper's own pads along dims this call does not shard, where the chunk can
         take them: replicate (any mode but zeros) cannot pad a chunk with no slice, and
         whether any rank holds none is known alike on every rank (the global length)."""
@@ -784,8 +781,8 @@ class _StripPadForward(_HaloForward):
         return {d: s for d, s in self.pads_first.items() if s.left or s.right}
 
 
-class _DroppedPad(_NoPadAlong):
-    """`_NoPadAlong` that records whether the wrapper padded its dim at all."""
+class _DroppedPad(NoPadAlong):
+    """`NoPadAlong` that records whether the wrapper padded its dim at all."""
 
     seen = False
 
@@ -809,7 +806,7 @@ def _canonical(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride() == strides else x.as_strided(x.shape, strides, x.storage_offset())
 
 
-def _padded_window(site: _Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse,
+def _padded_window(site: Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse,
                    pads: dict[int, HaloShard]) -> torch.Tensor:
     """The chunk padded along `pads`' dims (each slice alone, as the single-device `F.pad`
     pads it, so the halo slices arrive padded alike), then exchanged along dim: this
@@ -823,7 +820,7 @@ def _padded_window(site: _Site, plan: WindowPlan, annotation: Annotation, reuse:
     x = F.pad(_canonical(x), widths, mode="constant" if mode == "zeros" else mode)
     # Its own agreement: the padded chunk's sizes differ from the unpadded chunk's.
     reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], x.requires_grad))
-    return _window(replace(site, local=x), plan, annotation, reuse)
+    return halo_window(replace(site, local=x), plan, annotation, reuse)
 
 
 def _one_conv(module: nn.Module, dim: int) -> nn.Conv1d:
@@ -908,9 +905,10 @@ class CausalConvParallel(ParallelStyle):
         left, right = self.pads.get(self.dim, (span - 1, 0))
         stencil = ConvStencil(span=span, stride=conv.stride[si], pad_left=left,
                               pad_right=right, pad=self.pad)
-        plain = attach(module, Annotation(None, self.dim, stencil), device_mesh)
+        halo = HaloForward.of(module, Annotation(None, self.dim, stencil), device_mesh)
+        plain = install(module, halo)
         base = module.forward
-        assert isinstance(base, _HaloForward) and plain.attached
+        assert isinstance(base, HaloForward) and plain.attached
         forward = _StripPadForward(module, base.annotation, base.mesh, base.saved,
                                    base.previous, overlap=False, name=base.name)
         forward.strip = HaloShard(self.dim, left=left, right=right, pad=self.pad)
@@ -1152,20 +1150,20 @@ class _FirstFrameRun:
         self.agreed.add(meet.key)
 
 
-class _FirstFrameForward(_HaloForward):
+class _FirstFrameForward(HaloForward):
     """The halo forward of a `FirstFrameParallel` module: it tells the module's run rule
     where each call's ranks meet."""
 
-    def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
+    def exchange_first(self, site: Site, plan: WindowPlan, reuse: Reuse, *args: Any,
                        **kwargs: Any) -> Any:
         self.meet(site)
         return super().exchange_first(site, plan, reuse, *args, **kwargs)
 
-    def several(self, site: _Site, *args: Any, **kwargs: Any) -> Any:
+    def several(self, site: Site, *args: Any, **kwargs: Any) -> Any:
         self.meet(site)
         return super().several(site, *args, **kwargs)
 
-    def meet(self, site: _Site) -> None:
+    def meet(self, site: Site) -> None:
         assert isinstance(self.local, _FirstFrameRun)
         self.local.meet = _Meeting((site.mesh, site.axis), self.reuse(site)[1])
 
@@ -1265,9 +1263,10 @@ class FirstFrameParallel(ParallelStyle):
                                 f"reads more than one frame of context; use {fitting}")
         run = _FirstFrameRun(self.stencil, self.dim, self.local, _kernels(module, self.dim),
                              type(module).__name__)
-        attach(module, Annotation(None, self.dim, self.stencil), device_mesh, local=run)
+        install(module, HaloForward.of(module, Annotation(None, self.dim, self.stencil),
+                                       device_mesh, local=run))
         base = module.forward
-        assert isinstance(base, _HaloForward)
+        assert isinstance(base, HaloForward)
         forward = _FirstFrameForward(module, base.annotation, base.mesh, base.saved,
                                      base.previous, overlap=False, name=base.name, local=run)
         forward.per_slice = self.local_dims

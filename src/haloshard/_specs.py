@@ -8,7 +8,7 @@ derive the input range each rank needs. Halos follow from those ranges, so strid
 uneven and empty shards and upsampling are exact without rebalancing anything.
 
 Everything here is pure arithmetic on Python ints; nothing mutates a module or a tensor.
-`_hooks.py` applies the results.
+`_annotation.py` validates a module's halo with them; `_halo_forward.py` applies them.
 """
 
 from __future__ import annotations

@@ -18,21 +18,18 @@ from torch.distributed.tensor.placement_types import Placement
 
 from haloshard import _comm
 from haloshard._agree import Agreements, Fields, check_rows, digest, gather
+from haloshard._annotation import annotation_of, resolve
 from haloshard._errors import HaloError
 from haloshard._exchange import join_agreed_move
 from haloshard._forward import (
     HaloHandle,
     check_layouts,
     handle_of,
+    install,
     names_errors,
     output_layouts,
 )
-from haloshard._hooks import (
-    LocalRun,
-    annotation_of,
-    attach,
-    resolve,
-)
+from haloshard._halo_forward import HaloForward, LocalRun
 from haloshard._layer_styles import GroupNormParallel
 from haloshard._layout import HaloShard
 from haloshard._specs import _CONVS, _TRANSPOSED, DERIVABLE, Stencil, is_stencil, spatial_index
@@ -114,8 +111,9 @@ class HaloParallel(ParallelStyle):
 
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        attach(module, resolve(module, self.spec, dim=self.dim), device_mesh,
-               overlap=self.overlap, local=self.local)
+        annotation = resolve(module, self.spec, dim=self.dim)
+        install(module, HaloForward.of(module, annotation, device_mesh, overlap=self.overlap,
+                                       local=self.local))
         output_layouts(module, self.dim, self.output_layouts, self.use_local_output)
         return module
 

@@ -30,9 +30,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
+from haloshard._annotation import Annotation
 from haloshard._errors import HaloError
-from haloshard._forward import names_errors
-from haloshard._hooks import Annotation, attach
+from haloshard._forward import install, names_errors
+from haloshard._halo_forward import HaloForward
 from haloshard._layout import PadMode
 
 
@@ -101,7 +102,7 @@ class LTXDownsamplerParallel(ParallelStyle):
                             f"dilation 1 along T, got {stride}, {dilation}")
         before, after = (k - 1, 0) if conv.is_causal else ((k - 1) // 2, (k - 1) // 2)
         stencil = SpaceToDepthStencil(module.stride[0], before, after)
-        attach(module, Annotation(None, self.dim, stencil), device_mesh)
+        install(module, HaloForward.of(module, Annotation(None, self.dim, stencil), device_mesh))
         return module
 
 
@@ -113,7 +114,7 @@ _CONV3D = (torch.conv3d, torch.nn.functional.conv3d)
 
 
 class SlicedConvRun:
-    """How `LTXUpsamplerParallel` runs the upsampler on its window (`attach(local=)`): the
+    """How `LTXUpsamplerParallel` runs the upsampler on its window (`HaloForward.of(local=)`): the
     module's own forward, with every `conv3d` it calls under `torch.no_grad()` computed
     over slices of at most `SLICE_CHANNELS` output channels (`_SlicedConvs`). With
     autograd on it runs unchanged: each slice's weight gradient would come back as a

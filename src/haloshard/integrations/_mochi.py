@@ -17,8 +17,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from haloshard._annotation import Annotation
 from haloshard._errors import HaloError
-from haloshard._hooks import Annotation, _HaloForward, attach
+from haloshard._forward import install
+from haloshard._halo_forward import HaloForward
 from haloshard._layout import PadMode
 
 
@@ -72,12 +74,11 @@ def _drop(vae: nn.Module, count: int) -> _DropFirst:
     drop = _DROPS.get(vae)
     if drop is None or drop.count != count:
         drop = _DropFirst(count)
-        attach(drop, Annotation(None, 2, DropFirstStencil(count)), None)
+        forward = HaloForward.of(drop, Annotation(None, 2, DropFirstStencil(count)), None)
         # dropping frames along T reads each row and column alone: a video also sharded
         # on H or W (a `(t, h)` mesh) keeps its chunk there, with no halo
-        forward = drop.forward
-        assert isinstance(forward, _HaloForward)
         forward.per_slice = (3, 4)
+        install(drop, forward)
         _DROPS[vae] = drop
     return drop
 

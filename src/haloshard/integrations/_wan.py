@@ -49,24 +49,17 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
+from haloshard._annotation import resolve
 from haloshard._attention import gather_many, sdpa
+from haloshard._choice import slow_window
 from haloshard._compat import enabled_local_tensor_mode
-from haloshard._conv import slow_window
 from haloshard._errors import HaloError
 from haloshard._exchange import Reuse
 from haloshard._forward import ShardedForward, install, names_errors
-from haloshard._hooks import (
-    _dtensor_site,
-    _HaloForward,
-    _Site,
-    _site,
-    _window,
-    attach,
-    resolve,
-    rewrap,
-)
+from haloshard._halo_forward import HaloForward, halo_window
 from haloshard._layer_styles import FirstFrameParallel, LocalParallel
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
+from haloshard._site import Site, dtensor_site, rewrap, site_of
 from haloshard._specs import WindowPlan
 from haloshard._styles import HaloParallel
 
@@ -283,7 +276,7 @@ def _conv3d_time_taps(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return y.unflatten(0, (count, x.shape[0])).permute(1, 2, 0, 3, 4)
 
 
-class _CachedRowsForward(_HaloForward):
+class _CachedRowsForward(HaloForward):
     """`WanCausalConv3d.forward(x, cache_x)` with H sharded: the cached frames (this rank's
     rows) take the same H halo as x, and the module's own forward runs on both windows (its
     `torch.cat` of cache and input along T, its `F.pad` of T and W; the `F.pad` of H
@@ -295,14 +288,14 @@ class _CachedRowsForward(_HaloForward):
             return super().sharded(x)
         return super().sharded(x, cache_x)
 
-    def exchange_first(self, site: _Site, plan: WindowPlan, reuse: Reuse, *args: Any,
+    def exchange_first(self, site: Site, plan: WindowPlan, reuse: Reuse, *args: Any,
                        **kwargs: Any) -> Any:
         if not args:
             return super().exchange_first(site, plan, reuse)
         # the cache's rows are x's: the same windows, agreed under a key of their own
-        cached = _site(args[0], self.dim, self.mesh)
+        cached = site_of(args[0], self.dim, self.mesh)
         store, _, signature = self.reuse(cached)
-        window = _window(cached, plan, self.annotation, (store, "cache", signature))
+        window = halo_window(cached, plan, self.annotation, (store, "cache", signature))
         return super().exchange_first(site, plan, reuse, window)
 
     def original(self, *args: Any, **kwargs: Any) -> Any:
@@ -346,9 +339,9 @@ class WanCausalConvParallel(ParallelStyle):
                             f"{k}, H padding {pads}, stride {module.stride[1]}, dilation "
                             f"{module.dilation[1]}")
         spec = HaloShard(3, left=pads[0], right=pads[1], pad="zeros")
-        attach(module, resolve(module, spec, dim=3), device_mesh)
+        install(module, HaloForward.of(module, resolve(module, spec, dim=3), device_mesh))
         base = module.forward
-        assert isinstance(base, _HaloForward)
+        assert isinstance(base, HaloForward)
         module.forward = _CachedRowsForward(  # the handle restores base.previous
             module, base.annotation, base.mesh, base.saved, base.previous, overlap=False,
             name=base.name)
@@ -375,7 +368,7 @@ class _AttentionRowsForward(ShardedForward):
         if not isinstance(x, DTensor):
             raise HaloError(f"WanAttentionParallel needs a Shard(3) DTensor input, got "
                             f"{type(x).__name__}")
-        m, site = self.module, _dtensor_site(x, 3)
+        m, site = self.module, dtensor_site(x, 3)
         local = site.local
         b, c, t, n, w = local.shape
         rows = n

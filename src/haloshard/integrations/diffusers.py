@@ -72,6 +72,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from haloshard import _comm, _dtensor_ops, _segments
+from haloshard._annotation import Annotation
 from haloshard._attention import gather_many
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
@@ -80,18 +81,7 @@ from haloshard._forward import (
     install,
     names_errors,
 )
-from haloshard._hooks import (
-    Annotation,
-    _dtensor_site,
-    _HaloForward,
-    _pick,
-    _Site,
-    _site,
-    _window,
-    attach,
-    has_spare,
-    rewrap,
-)
+from haloshard._halo_forward import HaloForward, halo_window
 from haloshard._layer_styles import (
     CausalConvParallel,
     FirstFrameParallel,
@@ -102,6 +92,7 @@ from haloshard._layer_styles import (
 from haloshard._layout import HaloShard, PadMode, lack, shard_size_and_offset, shard_sizes
 from haloshard._masked_attention import frame_attention
 from haloshard._norms import group_norm
+from haloshard._site import Site, dtensor_site, has_spare, pick, rewrap, site_of
 from haloshard._specs import ConvStencil, plan_windows
 from haloshard._styles import HaloParallel
 from haloshard.integrations._cogvideox import cogvideox_decode, cogvideox_encode
@@ -284,7 +275,8 @@ class HunyuanUpsampleParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "HunyuanVideoUpsampleCausal3D", "HunyuanUpsampleParallel")
         if self.dim == 3:
-            attach(module, Annotation(None, 3, _hunyuan_rows(module)), device_mesh)
+            install(module, HaloForward.of(module, Annotation(None, 3, _hunyuan_rows(module)),
+                                           device_mesh))
             return module
         _check_time_dim(self.dim, "HunyuanUpsampleParallel")
         factor, wrapper = module.upsample_factor[0], module.conv
@@ -298,11 +290,11 @@ class HunyuanUpsampleParallel(ParallelStyle):
                             f"a causal replicate conv of stride 1, got factor {factor}, "
                             f"kernel {k}, stride {stride}, dilation {dilation}, padding "
                             f"{wrapper.time_causal_padding}, pad_mode {wrapper.pad_mode!r}")
-        attach(module, Annotation(None, self.dim, UpCausalStencil(int(factor), span)),
-               device_mesh)
+        stencil = UpCausalStencil(int(factor), span)
+        install(module, HaloForward.of(module, Annotation(None, self.dim, stencil), device_mesh))
         if _direct_upsample(module):
             base = module.forward
-            assert isinstance(base, _HaloForward)
+            assert isinstance(base, HaloForward)
             module.forward = _UpsampleForward(module, base.annotation, base.mesh, base.saved,
                                               base.previous, overlap=False, name=base.name)
         _also_rows(module, _hunyuan_rows)
@@ -322,7 +314,7 @@ def _direct_upsample(module: nn.Module) -> bool:
             and conv.dilation[0] == 1 and pads[0] == pads[1] and pads[2] == pads[3])
 
 
-class _UpsampleForward(_HaloForward):
+class _UpsampleForward(HaloForward):
     """`HunyuanVideoUpsampleCausal3D` on `Shard(T)` without running its forward on a
     window: the up-frames this rank's outputs read (its `span - 1` frames of history
     included, replicate-padded on H and W) are gathered from the exchanged input window in
@@ -332,7 +324,7 @@ class _UpsampleForward(_HaloForward):
     With H sharded as well, or a rank without outputs, the window path runs."""
 
     def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        site = _site(x, self.annotation.dim, self.mesh, several=True)
+        site = site_of(x, self.annotation.dim, self.mesh, several=True)
         world = site.mesh.size(site.axis)
         stencil = self.annotation.stencil
         assert isinstance(stencil, UpCausalStencil)
@@ -342,7 +334,7 @@ class _UpsampleForward(_HaloForward):
             return super().sharded(x, *args, **kwargs)
         uniform = enabled_local_tensor_mode() is not None
         plan = plan_windows(stencil, site.length, world, uniform=uniform)
-        window = _window(site, plan, self.annotation, self.reuse(site))
+        window = halo_window(site, plan, self.annotation, self.reuse(site))
         rank, m = site.mesh.get_local_rank(site.axis), self.module
         (_, _, h, w), wrapper = window.shape[1:], m.conv
         pads = wrapper.time_causal_padding
@@ -353,7 +345,7 @@ class _UpsampleForward(_HaloForward):
         del window
         y = wrapper.conv(up)
         if uniform:  # every simulated rank ran the longest chunk's frames: keep its own
-            y = y.narrow(self.annotation.dim, 0, _pick(rank, plan.out_len)[0])
+            y = y.narrow(self.annotation.dim, 0, pick(rank, plan.out_len)[0])
         return rewrap(y, site, self.annotation.dim, out_length)
 
 
@@ -446,7 +438,7 @@ class _MidBlockForward(ShardedForward):
 _AGREED: weakref.WeakKeyDictionary[nn.Module, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
 
-def _reuse(module: nn.Module, site: _Site) -> tuple[dict[Any, Any], Any]:
+def _reuse(module: nn.Module, site: Site) -> tuple[dict[Any, Any], Any]:
     """`module`'s agreements and the global signature of a gather of `site`'s chunk."""
     x = site.local
     return _AGREED.setdefault(module, {}), (site.shape, site.placements, id(site.mesh),
@@ -457,7 +449,7 @@ def _reuse(module: nn.Module, site: _Site) -> tuple[dict[Any, Any], Any]:
 def _causal_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     """`Attention` (AttnProcessor2_0) over the T*H*W tokens of `h` with the mid-block's
     block-causal frame mask: the processor's steps on this rank's `(B, C, T_r, H, W)`."""
-    site = _dtensor_site(h, dim)
+    site = dtensor_site(h, dim)
     x, group, n = site.local, (site.mesh, site.axis), site.local.shape[dim]
     gn = attn.group_norm
     y = x if gn is None else group_norm(x, gn.num_groups, gn.weight, gn.bias, gn.eps, group)
@@ -488,7 +480,7 @@ def _causal_attention_rows(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     """`_causal_attention` with H sharded: K and V gathered along H, every frame's queries
     (this rank's rows) attend to the tokens of frames up to their own, one frame at a time
     (no `(THW)^2` mask; scores for one frame's queries at once)."""
-    site = _dtensor_site(h, dim)
+    site = dtensor_site(h, dim)
     x, group = site.local, (site.mesh, site.axis)
     gn = attn.group_norm
     y = x if gn is None else group_norm(x, gn.num_groups, gn.weight, gn.bias, gn.eps, group,
@@ -523,7 +515,7 @@ def _causal_attention_both(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     """`_causal_attention` with T and H sharded (on two mesh axes): K and V gathered along
     H, then along T; this rank's queries attend one local frame at a time to every token,
     the keys of later frames masked (scores for one frame's queries at once)."""
-    site = _dtensor_site(h, dim, several=True)
+    site = dtensor_site(h, dim, several=True)
     if [d for _, d in site.others] != [3]:
         raise HaloError(f"HunyuanMidBlockParallel takes T, or T and H, sharded; got "
                         f"placements {site.placements}")
@@ -648,7 +640,7 @@ class _SpatialNormForward(ShardedForward):
                             f"conv_cache={bool(conv_cache)}")
         if self.dim == 3:
             return self._rows(f, zq)
-        m, site, z_site = self.module, _dtensor_site(f, self.dim), _dtensor_site(zq, self.dim)
+        m, site, z_site = self.module, dtensor_site(f, self.dim), dtensor_site(zq, self.dim)
         group, n = (site.mesh, site.axis), site.local.shape[self.dim]
         world = site.mesh.size(site.axis)
         # zq is the latent: small. Gather it, resize H and W, pick each local frame's source.
@@ -674,7 +666,7 @@ class _SpatialNormForward(ShardedForward):
     def _rows(self, f: DTensor, zq: DTensor) -> tuple[DTensor, dict[str, Any]]:
         """H sharded: zq gathered along H and resized as the module does (T is whole
         here), then this rank's rows picked; `norm_layer` with statistics over H."""
-        m, site, z_site = self.module, _dtensor_site(f, 3), _dtensor_site(zq, 3)
+        m, site, z_site = self.module, dtensor_site(f, 3), dtensor_site(zq, 3)
         group, n = (site.mesh, site.axis), site.local.shape[3]
         (z_all,) = gather_many((z_site.local,), 3, group, global_length=z_site.length,
                                reuse=_reuse(m, z_site))
@@ -815,7 +807,7 @@ def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     The normalised input is dropped once its tokens exist. Without grad the pixels are
     attended in `_PIXEL_PARTS` slices of rows (or W) in turn (each pixel's own sequence,
     so the result is the same), so q, k, v and the attention's buffers are a part's."""
-    site = _dtensor_site(h, dim, several=True)
+    site = dtensor_site(h, dim, several=True)
     shape, mesh, placements = h.shape, site.mesh, site.placements
     n, padded = site.local.shape[dim], enabled_local_tensor_mode() is not None
     kept = {d: site.local.shape[d] for _, d in site.others}
@@ -864,7 +856,7 @@ def _attend_pixels(attn: nn.Module, tokens: torch.Tensor, group: Any, length: in
     return o + tokens if attn.residual_connection else o
 
 
-def _pixel_tokens(site: _Site, dim: int, shape: torch.Size, padded: bool) -> torch.Tensor:
+def _pixel_tokens(site: Site, dim: int, shape: torch.Size, padded: bool) -> torch.Tensor:
     """This rank's chunk as `(B, H, W, T_r, C)` tokens; under simulated ranks padded at
     the end of T (and of the other sharded dims) to equal shapes, as `_causal_attention`."""
     x = site.local
@@ -889,7 +881,7 @@ class _FrameNormForward(ShardedForward):
         if not isinstance(x, DTensor):
             raise HaloError(f"MochiChunkedGroupNorm3D on T and H needs a DTensor input, got "
                             f"{type(x).__name__}")
-        site = _dtensor_site(x, self.dim, several=True)
+        site = dtensor_site(x, self.dim, several=True)
         local, gn, n = site.local, self.module.norm_layer, site.local.shape[2]
         if enabled_local_tensor_mode() is not None:
             # simulated ranks: frames padded to the longest chunk (flattened into the
@@ -920,7 +912,7 @@ class _FrameNormParallel(ParallelStyle):
 def _pixel_attention_rows(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     """`MochiVaeAttnProcessor2_0` with H sharded: each pixel attends along its own T,
     which this rank holds whole: causal attention on this rank's rows, nothing moved."""
-    site = _dtensor_site(h, dim)
+    site = dtensor_site(h, dim)
     x, n = site.local, site.local.shape[dim]
     if enabled_local_tensor_mode() is not None:  # as in _causal_attention: equal shapes
         longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
@@ -1079,7 +1071,8 @@ class MochiUpBlockParallel(ParallelStyle):
             _check_time_dim(self.dim, "MochiUpBlockParallel")
         factor = module.temporal_expansion if self.dim == 2 else module.spatial_expansion
         expand = _MochiExpand(module)
-        attach(expand, Annotation(None, self.dim, RepeatStencil(factor)), device_mesh)
+        install(expand, HaloForward.of(expand, Annotation(None, self.dim, RepeatStencil(factor)),
+                                       device_mesh))
         if self.dim == 2:  # with H sharded too, each row becomes spatial_expansion rows
             _also_rows(expand, lambda m: RepeatStencil(module.spatial_expansion))
         install(module, _MochiUpForward(module, expand, self.dim))
@@ -1161,8 +1154,8 @@ class LTXUpsamplerParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_class(module, "LTXVideoUpsampler3d", "LTXUpsamplerParallel")
         if self.dim == 3:
-            attach(module, Annotation(None, 3, _ltx_rows(module)), device_mesh,
-                   local=SlicedConvRun())
+            install(module, HaloForward.of(module, Annotation(None, 3, _ltx_rows(module)),
+                                           device_mesh, local=SlicedConvRun()))
             return module
         _check_time_dim(self.dim, "LTXUpsamplerParallel")
         conv = module.conv
@@ -1172,7 +1165,8 @@ class LTXUpsamplerParallel(ParallelStyle):
                             f"dilation 1 along T, got {stride}, {conv.conv.dilation[0]}")
         before, after = (k - 1, 0) if conv.is_causal else ((k - 1) // 2, (k - 1) // 2)
         stencil = ConvDepthToSpaceStencil(module.stride[0], before, after)
-        attach(module, Annotation(None, self.dim, stencil), device_mesh, local=SlicedConvRun())
+        install(module, HaloForward.of(module, Annotation(None, self.dim, stencil), device_mesh,
+                                       local=SlicedConvRun()))
         _also_rows(module, _ltx_rows)
         return module
 
