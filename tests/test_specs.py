@@ -115,13 +115,13 @@ LAYERS = {
     "upsample_linear3": lambda: nn.Upsample(scale_factor=3, mode="linear"),
     "upsample_trilinear": lambda: nn.Upsample(scale_factor=(2, 1, 2), mode="trilinear"),
 }
-_SPATIAL = {"1d": (), "2d": (3,), "3d": (3, 2)}
+SPATIAL = {"1d": (), "2d": (3,), "3d": (3, 2)}
 
 
 def _shape(name: str, module: nn.Module, length: int) -> tuple[int, ...]:
     rank = 3 if "3d" in name or name == "upsample_trilinear" else 2 if "2d" in name else 1
     channels = getattr(module, "in_channels", 2)
-    return (2, channels, length, *_SPATIAL[f"{rank}d"])
+    return (2, channels, length, *SPATIAL[f"{rank}d"])
 
 
 @pytest.mark.parametrize("uniform", [False, True])

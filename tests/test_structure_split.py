@@ -56,6 +56,20 @@ def test_split_modules_share_public_names() -> None:
     assert private == [], private
 
 
+def test_no_private_name_crosses_modules() -> None:
+    """No module of the package imports another's `_private` name (issue 28): what one
+    module gives another is public within the package. A private submodule itself
+    (`from haloshard import _comm`) is a module, not a name."""
+    modules = {p.stem for p in PACKAGE.rglob("*.py")}
+    private = [f"{path}: {node.module}.{alias.name}"
+               for path, tree in _trees().items() for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                   "haloshard")
+               for alias in node.names
+               if alias.name.startswith("_") and alias.name not in modules]
+    assert private == [], private
+
+
 def test_hooks_is_gone_and_one_installer_remains() -> None:
     """`_hooks` held five concerns; nothing defines `attach`, a second installer, now."""
     assert importlib.util.find_spec("haloshard._hooks") is None

@@ -34,11 +34,11 @@ from haloshard._comm import GroupLike
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
 from haloshard._exchange import (
-    _as_int,
-    _check_own_length,
-    _length_problem,
-    _own_length_problem,
-    _tensor_problem,
+    as_int,
+    check_own_length,
+    length_problem,
+    own_length_problem,
+    tensor_problem,
 )
 from haloshard._layout import shard_sizes
 from haloshard._tracing import surfaces_errors
@@ -60,7 +60,7 @@ def _problem(tensors: tuple[torch.Tensor, ...], dim: int, global_length: object,
              frame: object) -> str | None:
     """What is wrong with this rank's own arguments, or None (no communication)."""
     for t in tensors:
-        problem = _tensor_problem(t)
+        problem = tensor_problem(t)
         if problem is not None:
             return problem
         if not -t.ndim <= dim < t.ndim or t.ndim > _MAX_DIMS:
@@ -69,7 +69,7 @@ def _problem(tensors: tuple[torch.Tensor, ...], dim: int, global_length: object,
     # along T, with the ranks of its T group, which hold no row either
     if not isinstance(frame, int) or isinstance(frame, bool) or frame < 0:
         return f"frame must be a non-negative int, got {frame!r}"
-    return _length_problem(global_length) or (
+    return length_problem(global_length) or (
         "global_length= is required" if global_length is None else None)
 
 
@@ -84,8 +84,8 @@ def _meta_row(tensors: tuple[torch.Tensor, ...], dim: int, global_length: int, f
 def _row_values(tensors: tuple[torch.Tensor, ...], dim: int, global_length: int, frame: int,
                 error: bool) -> list[Any]:
     """`_meta_row` as a list (sizes may be symbols under torch.compile)."""
-    row = [int(error), _as_int(global_length) if not error else -1,
-           _as_int(frame) if not error else -1]
+    row = [int(error), as_int(global_length) if not error else -1,
+           as_int(frame) if not error else -1]
     for t in tensors:
         if error:
             row += [-1] * len(_TENSOR_FIELDS)
@@ -152,10 +152,10 @@ def _agree_traced(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim
         if problem is not None:
             raise HaloError(problem)
         for t in tensors:
-            _check_own_length(t.shape[dim], lengths, grp.rank, dim)
+            check_own_length(t.shape[dim], lengths, grp.rank, dim)
         return
     for t in tensors if problem is None else ():
-        problem = problem or _own_length_problem(t.shape[dim], lengths, grp.rank, dim)
+        problem = problem or own_length_problem(t.shape[dim], lengths, grp.rank, dim)
     n = len(_TENSOR_FIELDS)
     unsent = {3 + k * n + i for k in range(len(tensors)) for i in range(3, n)}
     row = _row_values(tensors, dim, global_length, frame, problem is not None)

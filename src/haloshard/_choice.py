@@ -31,7 +31,7 @@ from haloshard._compat import SLOW_CONV3D, select_conv_backend
 from haloshard._errors import HaloError
 from haloshard._exchange import memory_format
 from haloshard._layout import shard_sizes
-from haloshard._specs import _CONVS, ConvStencil, WindowPlan
+from haloshard._specs import CONVS, ConvStencil, WindowPlan
 
 # The formulations of `halo_conv` (`_ConvArgs.path`): the chunk's own conv plus boundary
 # corrections (equal halos), an interior conv and two edge windows (unequal halos), or the
@@ -64,7 +64,7 @@ def overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan, si
     exactly the halo exchange's output, so `halo_conv` can run it. A subclass with its own
     forward always runs that forward. With a padding mode other than zeros on the other
     dims every chunk must hold a slice (`F.pad` refuses to pad an empty one that way)."""
-    if (not isinstance(module, _CONVS) or annotation.spec is not None
+    if (not isinstance(module, CONVS) or annotation.spec is not None
             or isinstance(module.padding, str)):
         return False
     stencil = annotation.stencil

@@ -55,7 +55,7 @@ _ROW = Fields(_FIELDS, "halo_exchange", "every rank must pass the same halo_exch
 _MAX_INT = 2**62
 
 
-def _tensor_problem(x: object) -> str | None:
+def tensor_problem(x: object) -> str | None:
     """What makes `x` unusable for an exchange on this rank, or None."""
     if not isinstance(x, torch.Tensor):
         return f"expected a tensor, got {type(x).__name__}"
@@ -95,7 +95,7 @@ def _code(value: object, choices: tuple[object, ...]) -> int:
     return choices.index(value) if value in choices else -1
 
 
-def _as_int(value: object) -> int:
+def as_int(value: object) -> int:
     ok = isinstance(value, int) and not isinstance(value, bool) and -_MAX_INT < value < _MAX_INT
     return value if ok else -1  # type: ignore[return-value]
 
@@ -105,13 +105,13 @@ def _row_values(
     global_length: int | None,
 ) -> list[int]:
     """This rank's metadata row, one int per `_FIELDS` entry."""
-    d = _as_int(dim) % max(x.ndim, 1) if not error else _as_int(dim)
+    d = as_int(dim) % max(x.ndim, 1) if not error else as_int(dim)
     sizes = [-1 if i == d else s for i, s in enumerate(x.shape[:_MAX_DIMS])]
     pads = PAD_MODES + LENIENT_PADS
-    return [int(error), x.ndim, d, _as_int(left), _as_int(right), _code(pad, pads),
+    return [int(error), x.ndim, d, as_int(left), as_int(right), _code(pad, pads),
             _code(transport, TRANSPORTS), dtype_code(x.dtype), int(x.requires_grad),
             int(torch.is_grad_enabled()), x.shape[d] if not error else -1,
-            _as_int(global_length), *sizes,
+            as_int(global_length), *sizes,
             *[-1] * (_MAX_DIMS - len(sizes))]
 
 
@@ -141,9 +141,9 @@ def _agree(
     rank's row and signature locally, with no collective; a mistake or a change on this
     rank rides as a status in the halo move instead.
     """
-    problem = (problem or _tensor_problem(x)
+    problem = (problem or tensor_problem(x)
                or _local_problem(x, left, right, dim, pad, transport)
-               or _length_problem(global_length))
+               or length_problem(global_length))
     if torch.compiler.is_compiling():
         return _agree_traced(x, left, right, dim, pad, transport, group, global_length,
                              problem)
@@ -192,7 +192,7 @@ def _agree_traced(
         assert global_length is not None
         lengths = shard_sizes(global_length, group.size)
     if isinstance(group.rank, int) and problem is None:
-        problem = _own_length_problem(x.shape[dim], lengths, group.rank, dim)
+        problem = own_length_problem(x.shape[dim], lengths, group.rank, dim)
     values = None if not isinstance(x, torch.Tensor) else _row_values(
         x, left, right, dim, pad, transport, problem is not None, global_length)
     # Sizes stay out (this rank's own length is in its error flag; other sizes that differ
@@ -200,7 +200,7 @@ def _agree_traced(
     agree_while_tracing(values, _ROW, group, "halo metadata exchange", problem,
                         {_LEN, *range(_FIELDS.index("size of dim 0"), len(_FIELDS))})
     if not isinstance(group.rank, int):  # simulated ranks: each checks its own chunk
-        _check_own_length(x.shape[dim], lengths, group.rank, dim)
+        check_own_length(x.shape[dim], lengths, group.rank, dim)
     check_pad_fits(sum(lengths), left, right, pad)
     return dim % x.ndim, lengths, False
 
@@ -221,7 +221,7 @@ def _reuse_agreed(
         if problem is not None:
             raise HaloError(problem)
         lengths = shard_sizes(global_length, group.size)
-        _check_own_length(x.shape[dim], lengths, group.rank, dim)
+        check_own_length(x.shape[dim], lengths, group.rank, dim)
         return dim % x.ndim, lengths
 
     def changed(agreed: Agreed) -> str:
@@ -302,7 +302,7 @@ def shown_row(row: list[int]) -> dict[str, Any]:
     return {f: shown(f, [v])[0] for f, v in zip(_FIELDS, row, strict=True) if v != -1}
 
 
-def _length_problem(global_length: object) -> str | None:
+def length_problem(global_length: object) -> str | None:
     if global_length is None:
         return None
     if not isinstance(global_length, int) or isinstance(global_length, bool) or not (
@@ -312,15 +312,15 @@ def _length_problem(global_length: object) -> str | None:
 
 
 @maybe_run_for_local_tensor
-def _check_own_length(length: int, lengths: tuple[int, ...], rank: int | torch.SymInt,
+def check_own_length(length: int, lengths: tuple[int, ...], rank: int | torch.SymInt,
                       dim: int) -> None:
     """This rank's chunk against its `Shard` split of the stated global length."""
-    problem = _own_length_problem(length, lengths, rank, dim)
+    problem = own_length_problem(length, lengths, rank, dim)
     if problem is not None:
         raise HaloError(problem)
 
 
-def _own_length_problem(length: int, lengths: tuple[int, ...], rank: int | torch.SymInt,
+def own_length_problem(length: int, lengths: tuple[int, ...], rank: int | torch.SymInt,
                         dim: int) -> str | None:
     if length != lengths[rank]:
         return (f"global_length={sum(lengths)} splits as {list(lengths)} over {len(lengths)} "

@@ -50,9 +50,9 @@ from haloshard._no_pad import NoPadAlong
 from haloshard._packed import packed_conv
 from haloshard._site import Site, check_same_length, pick, rewrap, site_of, with_spare
 from haloshard._specs import (
-    _SPATIAL,
-    _TRANSPOSED,
     DERIVABLE,
+    SPATIAL,
+    TRANSPOSED,
     ConvStencil,
     Stencil,
     WindowPlan,
@@ -161,7 +161,7 @@ class HaloForward(ShardedForward):
 
     def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         annotation = self.annotation
-        if isinstance(self.module, _TRANSPOSED) and (args or "output_size" in kwargs):
+        if isinstance(self.module, TRANSPOSED) and (args or "output_size" in kwargs):
             raise HaloError("ConvTranspose with output_size= is not supported under a halo "
                             "(it would size each rank's local output); expected no output_size")
         site = site_of(x, annotation.dim, self.mesh, several=True)
@@ -286,7 +286,7 @@ class HaloForward(ShardedForward):
         module = self.module
         own = self.annotation.spec is None and not self.wraps_one_conv
         convs = [module] if own else [m for m in module.modules() if isinstance(m, DERIVABLE)]
-        kind = _SPATIAL.get(type(convs[0])) if convs else None  # conv1d/2d/3d: 1/2/3
+        kind = SPATIAL.get(type(convs[0])) if convs else None  # conv1d/2d/3d: 1/2/3
         ok = (len(convs) == 1 and self.local is None and isinstance(convs[0], DERIVABLE)
               # a wrapper whose padding of d the style names (`own_pads`): the style
               # vouches for the conv inside, as it does along the sharded dim

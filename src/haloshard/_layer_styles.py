@@ -80,9 +80,9 @@ from haloshard._site import (
     with_spare,
 )
 from haloshard._specs import (
-    _CONVS,
-    _SPATIAL,
+    CONVS,
     DERIVABLE,
+    SPATIAL,
     ConvStencil,
     ResampleStencil,
     Stencil,
@@ -299,7 +299,7 @@ def _local_dims(dims: tuple[int, ...], dim: int, style: str) -> tuple[int, ...]:
 def _per_slice_dims(module: nn.Module, dim: int) -> tuple[int, ...]:
     """The spatial dims other than `dim` along which a conv or pooling with torch's own
     forward reads one slice (kernel 1, stride 1, no padding)."""
-    n = _SPATIAL.get(type(module))
+    n = SPATIAL.get(type(module))
     if n is None or not known_forward(module):
         return ()
     found = []
@@ -824,7 +824,7 @@ def _padded_window(site: Site, plan: WindowPlan, annotation: Annotation, reuse: 
 
 
 def _one_conv(module: nn.Module, dim: int) -> nn.Conv1d:
-    convs = [m for m in module.modules() if isinstance(m, _CONVS)]
+    convs = [m for m in module.modules() if isinstance(m, CONVS)]
     if len(convs) != 1:
         raise HaloError(f"CausalConvParallel expects a wrapper around exactly one conv, "
                         f"{type(module).__name__} holds {len(convs)}")
@@ -1056,8 +1056,8 @@ def _kernels(module: nn.Module, dim: int) -> tuple[_Kernel, ...]:
     deep copy of the model shares the style's run rule, which must not hold modules)."""
     found = []
     for fqn, m in module.named_modules():
-        rank = _SPATIAL.get(type(m)) or next(
-            (n for cls, n in _SPATIAL.items() if isinstance(m, cls)), None)
+        rank = SPATIAL.get(type(m)) or next(
+            (n for cls, n in SPATIAL.items() if isinstance(m, cls)), None)
         if rank is None or not 2 <= dim < rank + 2:
             continue
         found.append(_Kernel(fqn or "<module>", type(m).__name__, rank,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from haloshard._attention import Reuse, blocks_many, gather_many
 from haloshard._comm import Group, GroupLike, resolve_group
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
-from haloshard._exchange import _length_problem
+from haloshard._exchange import length_problem
 from haloshard._layout import lack, shard_size_and_offset, shard_sizes
 from haloshard._tracing import surfaces_errors
 
@@ -111,7 +111,7 @@ def _own_problem(q: object, k: object, v: object, global_length: object, frames:
             shapes[1] != shapes[2]:
         return (f"frame_attention expects q, k, v of one shape (..., T_r, S, E), got "
                 f"{', '.join(map(str, shapes))}")
-    if (problem := _length_problem(global_length)) is not None or global_length is None:
+    if (problem := length_problem(global_length)) is not None or global_length is None:
         return problem or "frame_attention needs global_length="
     n = shapes[0][-3]
     if isinstance(frames, int) and isinstance(n, int) and not 0 <= frames <= n:

@@ -35,7 +35,7 @@ from haloshard._agree import (
 from haloshard._comm import GroupLike
 from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError
-from haloshard._exchange import _length_problem, _tensor_problem
+from haloshard._exchange import length_problem, tensor_problem
 from haloshard._layout import shard_sizes
 from haloshard._segments import Segments, local_segments
 from haloshard._tracing import surfaces_errors
@@ -71,7 +71,7 @@ _BLOCK = 1024
 
 def _norm_problem(x: object, groups: object, weight: object, bias: object) -> str | None:
     """What is wrong with this rank's own group_norm arguments, or None."""
-    problem = _tensor_problem(x)
+    problem = tensor_problem(x)
     if problem is not None:
         return problem
     assert isinstance(x, torch.Tensor)
@@ -476,7 +476,7 @@ def _call_problem(x: object, eps: object, dim: object, segments: object,
             isinstance(x, torch.Tensor) and isinstance(dim, int) and 2 <= dim < x.ndim):
         return (f"group_norm with segments or global_length needs 2 <= dim < "
                 f"{getattr(x, 'ndim', '?')}, got {dim!r}")
-    if (problem := _length_problem(global_length)) is not None:
+    if (problem := length_problem(global_length)) is not None:
         return f"group_norm {problem}"
     if segments is not None:
         try:

@@ -20,7 +20,7 @@ from haloshard._forward import INSIDE
 from haloshard._layout import HaloShard
 from haloshard._no_pad import CONV_FNS, NoPadAlong
 from haloshard._site import Site, rewrap
-from haloshard._specs import _CONVS, DERIVABLE
+from haloshard._specs import CONVS, DERIVABLE
 from haloshard._varlen import active_boundaries, varlen_conv
 
 # `forward` below is a `_halo_forward.HaloForward` (typed Any: that module imports this one)
@@ -39,8 +39,8 @@ def packed_conv(forward: Any, site: Site) -> Any:
         return rewrap(_packed_wrapper(forward, site, spec), site, dim, site.length)
     # known_forward() sees the halo forward now attached: ask about the class instead.
     own = forward.previous is None and any(
-        type(module).forward is conv.forward for conv in _CONVS)
-    if not (forward.annotation.spec is None and isinstance(module, _CONVS) and own):
+        type(module).forward is conv.forward for conv in CONVS)
+    if not (forward.annotation.spec is None and isinstance(module, CONVS) and own):
         raise HaloError(
             f"under haloshard.packed only plain nn.Conv1d/2d/3d halo layers (torch's own "
             f"forward, no explicit spec) run per document; {type(module).__name__} would "

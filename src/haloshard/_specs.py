@@ -30,15 +30,15 @@ from haloshard._layout import (
 )
 from haloshard._tracing import planner_cache
 
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _MAX_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
 _AVG_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 _POOLS = (*_MAX_POOLS, *_AVG_POOLS)
-_SPATIAL = {cls: n for n, group in enumerate(
-    zip(_CONVS, _TRANSPOSED, _MAX_POOLS, _AVG_POOLS, strict=True), start=1) for cls in group}
+SPATIAL = {cls: n for n, group in enumerate(
+    zip(CONVS, TRANSPOSED, _MAX_POOLS, _AVG_POOLS, strict=True), start=1) for cls in group}
 # Modules whose halo haloshard derives; anything else needs an explicit HaloShard spec.
-DERIVABLE: tuple[type[nn.Module], ...] = (*_CONVS, *_TRANSPOSED, *_MAX_POOLS, *_AVG_POOLS,
+DERIVABLE: tuple[type[nn.Module], ...] = (*CONVS, *TRANSPOSED, *_MAX_POOLS, *_AVG_POOLS,
                                            nn.Upsample)
 
 
@@ -383,7 +383,7 @@ def spatial_index(module: nn.Module, dim: int) -> int:
 
 
 def _spatial_dims(module: nn.Module) -> int:
-    for cls, n in _SPATIAL.items():
+    for cls, n in SPATIAL.items():
         if isinstance(module, cls):
             return n
     return 3  # nn.Upsample: up to 3 spatial dims; the input's rank decides at run time
@@ -521,9 +521,9 @@ def derive_stencil(module: nn.Module, dim: int) -> Stencil:
         raise HaloError(f"cannot derive a halo for {type(module).__name__}; expected one of "
                         f"{names}, or pass an explicit HaloShard spec")
     si = spatial_index(module, dim)
-    if isinstance(module, _CONVS):
+    if isinstance(module, CONVS):
         return _conv(module, si)
-    if isinstance(module, _TRANSPOSED):
+    if isinstance(module, TRANSPOSED):
         return _transposed(module, si)
     if isinstance(module, nn.Upsample):
         return _upsample(module, si)
@@ -543,9 +543,9 @@ def local_attrs(module: nn.Module, dim: int) -> dict[str, object]:
     if isinstance(module, nn.Upsample) or not isinstance(module, DERIVABLE):
         return {}
     si, n = spatial_index(module, dim), _spatial_dims(module)
-    if isinstance(module, _CONVS):
+    if isinstance(module, CONVS):
         return _conv_attrs(module, si, n)
-    if isinstance(module, _TRANSPOSED):
+    if isinstance(module, TRANSPOSED):
         return {"padding": _with(_ints(module), si, n, 0),
                 "output_padding": _with(module.output_padding, si, n, 0)}
     assert isinstance(module, _POOLS)  # DERIVABLE holds nothing else
@@ -589,7 +589,7 @@ def check_spec(module: nn.Module, spec: HaloShard, dim: int) -> None:
             raise HaloError(f"spec {spec!r} does not match {type(module).__name__}, which "
                             f"needs {derived}; pass spec=None to derive it")
         return
-    if isinstance(module, _CONVS) and 0 <= dim - 2 < _spatial_dims(module):
+    if isinstance(module, CONVS) and 0 <= dim - 2 < _spatial_dims(module):
         # Its own forward runs on the window with its padding attribute along dim removed:
         # that padding is the halo's, so a spec must equal it where there is one.
         own = conv_padding(module)[dim - 2]
@@ -597,7 +597,7 @@ def check_spec(module: nn.Module, spec: HaloShard, dim: int) -> None:
             raise HaloError(f"spec {spec!r} does not match {type(module).__name__}'s padding "
                             f"{own} along dim {dim}; expected left, right = {own}")
     for name, inner in module.named_modules():
-        if isinstance(inner, _CONVS) and _spatial_dims(inner) > dim - 2 >= 0:
+        if isinstance(inner, CONVS) and _spatial_dims(inner) > dim - 2 >= 0:
             need = _conv(inner, dim - 2)
             missing = need.span - 1 - need.pad_left - need.pad_right
             if spec.left + spec.right < missing:

@@ -32,9 +32,9 @@ from haloshard._forward import (
 from haloshard._halo_forward import HaloForward, LocalRun
 from haloshard._layer_styles import GroupNormParallel
 from haloshard._layout import HaloShard
-from haloshard._specs import _CONVS, _TRANSPOSED, DERIVABLE, Stencil, is_stencil, spatial_index
+from haloshard._specs import CONVS, DERIVABLE, TRANSPOSED, Stencil, is_stencil, spatial_index
 
-_PLAIN_CONVS = _CONVS + _TRANSPOSED
+_PLAIN_CONVS = CONVS + TRANSPOSED
 
 
 class HaloParallel(ParallelStyle):
