@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from benchmarks import steady_allocator
 from haloshard import TRANSPORTS, halo_exchange
-from haloshard._plan import exchange_plan
+from haloshard._plan import exchange_plan, gather_plan
 from haloshard.testing import GlooWorld, shard, worker_mesh
 
 SHAPE = (1, 128, 16, 64, 64)
@@ -90,7 +90,8 @@ def rank_bench(iters: int) -> dict[str, object]:
     slice_bytes = full.narrow(2, 0, 1).numel() * full.element_size()
     halo_bytes = sum(plan.send_splits) * slice_bytes  # distinct slices its neighbours need
     sent = {"all_to_all": halo_bytes, "p2p": halo_bytes,
-            "allgather": plan.gather_len * (world - 1) * slice_bytes}
+            "allgather": gather_plan(rank, lengths, LEFT, RIGHT, "zeros").length * (world - 1)
+            * slice_bytes}
     # What each rank sends, as one buffer split evenly (2 ranks: the halo slice to the peer).
     send = torch.randn(world, halo_bytes // full.element_size() // max(world - 1, 1))
     store: dict[object, object] = {}  # the steady state: agreed once, then checked locally

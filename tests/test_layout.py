@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from haloshard import PAD_MODES, HaloError, HaloShard, shard_sizes
-from haloshard._plan import exchange_plan, halo_fill
+from haloshard._plan import exchange_plan, gather_plan, halo_fill
 from haloshard.testing import reference_pad
 
 
@@ -86,7 +86,7 @@ def test_plan_sends_match_receives(length: int, world: int, left: int, right: in
         for q in range(world):
             assert plans[q].send_splits[p] == plans[p].recv_splits[q]
         assert len(plans[p].left_idx) == left and len(plans[p].right_idx) == right
-        assert len(plans[p].gather_pick) == sum(plans[p].recv_splits)
+        assert len(gather_plan(p, lengths, left, right, pad).pick) == sum(plans[p].recv_splits)
 
 
 @settings(max_examples=200, deadline=None)

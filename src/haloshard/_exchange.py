@@ -36,7 +36,7 @@ from haloshard._comm import Group, GroupLike
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
 from haloshard._layout import LENIENT_PADS, PAD_MODES, check_pad_fits, shard_sizes
-from haloshard._plan import HaloFill, Held, Runs, as_runs, exchange_plan, halo_fill
+from haloshard._plan import HaloFill, Held, Runs, as_runs, exchange_plan, gather_plan, halo_fill
 from haloshard._simulated import per_rank
 from haloshard._tracing import planner_cache, surfaces_errors
 
@@ -290,7 +290,7 @@ def _join(agreed: Agreed, group: Group, flag: int) -> list[int]:
     pad = (PAD_MODES + LENIENT_PADS)[agreed.row[_FIELDS.index("pad")]]
     if not (left or right):
         return []
-    recv, send, _ = _split_plan(group.rank, agreed.lengths, left, right, pad, group.size)
+    recv, send = _split_plan(group.rank, agreed.lengths, left, right, pad, group.size)
     placeholder = torch.zeros((sum(send), *agreed.shape), dtype=agreed.dtype,
                               device=agreed.device)
     return _comm.statuses(_comm.start_flagged_all_to_all(placeholder, recv, send, group,
@@ -348,11 +348,24 @@ def _index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
 def _plan_tensors(
     rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device,
     held: Held = (0, 0),
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     plan = exchange_plan(rank, lengths, left, right, pad, held)
-    idx = (plan.send_idx, plan.self_idx, plan.gather_idx, plan.gather_pick)
-    send, own, gather, pick = (_index(i, device) for i in idx)
-    return send, own, gather, pick
+    return _index(plan.send_idx, device), _index(plan.self_idx, device)
+
+
+@planner_cache(1024)
+def _gather_tensors(
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, device: torch.device,
+    held: Held = (0, 0),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    plan = gather_plan(rank, lengths, left, right, pad, held)
+    return _index(plan.idx, device), _index(plan.pick, device)
+
+
+@maybe_run_for_local_tensor
+def _gather_pad(rank: Any, lengths: tuple[int, ...], left: int, right: int, pad: str,
+                held: Held = (0, 0)) -> int:
+    return gather_plan(rank, lengths, left, right, pad, held).pad
 
 
 @planner_cache(1024)
@@ -421,8 +434,10 @@ def _copy_runs(out: torch.Tensor, src: torch.Tensor, dim: int, runs: Runs) -> No
 # Decorated once here: building the wrapper inside a compiled region breaks dynamo's guards.
 # Simulated ranks pass their rank as a SymInt, which torch's typing of the decorator
 # (the wrapped signature, `rank: int`) does not admit.
-_rank_plan_tensors: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+_rank_plan_tensors: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 _rank_plan_tensors = maybe_run_for_local_tensor(_plan_tensors)
+_rank_gather_tensors: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+_rank_gather_tensors = maybe_run_for_local_tensor(_gather_tensors)
 _rank_fill_tensors = per_rank(HaloFill)(_fill_tensors)
 
 
@@ -432,14 +447,14 @@ def _plan_ints(
 ) -> list[int]:
     # A flat list: LocalTensorMode combines per-rank ints position by position.
     plan = exchange_plan(rank, lengths, left, right, pad, held)
-    return [*plan.recv_splits, *plan.send_splits, plan.gather_len - len(plan.gather_idx)]
+    return [*plan.recv_splits, *plan.send_splits]
 
 
 def _split_plan(rank: Any, lengths: tuple[int, ...], left: int, right: int, pad: str,
-                world: int, held: Held = (0, 0)) -> tuple[list[Any], list[Any], Any]:
-    """(receive splits, send splits, allgather padding) of this rank's exchange."""
+                world: int, held: Held = (0, 0)) -> tuple[list[Any], list[Any]]:
+    """(receive splits, send splits) of this rank's exchange."""
     ints = _plan_ints(rank, lengths, left, right, pad, held)
-    return ints[:world], ints[world : 2 * world], ints[-1]
+    return ints[:world], ints[world:]
 
 
 @dataclass(frozen=True)
@@ -455,7 +470,6 @@ class _Route:
     lengths: tuple[int, ...]
     recv_splits: list[Any]
     send_splits: list[Any]
-    gather_pad: Any
     flagged: bool = False  # the forward move carries status flags (see `_agree`)
     held: Held = (0, 0)  # halo widths the input already holds (a re-halo; see `widen`)
 
@@ -541,33 +555,43 @@ class _P2P(Transport):
 
 
 class _AllGather(Transport):
-    """Every rank in the same all-gather of its edge slices (`gather_idx`, padded by
-    `gather_pad` rows to one length); each picks its halo rows (`gather_pick`). Backward:
-    the picked rows' gradients scattered into every rank's slot, then one reduce-scatter."""
+    """Every rank in the same all-gather of its edge slices (`GatherPlan.idx`, padded with
+    zero rows to one length); each picks its halo rows (`GatherPlan.pick`). Backward: the
+    picked rows' gradients scattered into every rank's slot, then one reduce-scatter. Its
+    layout is its own (`gather_plan`), built only when a move uses it."""
 
     name, moves_send_rows, backward_overlaps = "allgather", False, False
 
+    @staticmethod
+    def _plan(move: HaloMove, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(this rank's slices, where its received rows sit, its zero rows) as tensors."""
+        r = move.route
+        idx, pick = _rank_gather_tensors(r.group.rank, r.lengths, r.left, r.right, r.pad,
+                                         device, r.held)
+        return idx, pick, _gather_pad(r.group.rank, r.lengths, r.left, r.right, r.pad, r.held)
+
     def start(self, x: torch.Tensor, move: HaloMove, runs: _Runs | None) -> _comm.Pending:
         r = move.route
-        mine = x.index_select(r.dim, move.gather_idx).movedim(r.dim, 0)
-        filler = mine.new_zeros((r.gather_pad, *mine.shape[1:]))
+        idx, _, zeros = self._plan(move, x.device)
+        mine = x.index_select(r.dim, idx).movedim(r.dim, 0)
+        filler = mine.new_zeros((zeros, *mine.shape[1:]))
         return _comm.Pending(_comm.all_gather(torch.cat([mine, filler]), r.group))
 
     def received(self, recv: torch.Tensor, move: HaloMove) -> torch.Tensor:
-        return recv.index_select(0, move.gather_pick)
+        return recv.index_select(0, self._plan(move, recv.device)[1])
 
     def start_backward(self, g_recv: _comm.Rows, move: HaloMove) -> _comm.Pending:
         assert isinstance(g_recv, torch.Tensor)
         r = move.route
-        g_every = g_recv.new_zeros(
-            (r.group.size * (move.gather_idx.shape[0] + r.gather_pad), *g_recv.shape[1:]))
-        g_every.index_add_(0, move.gather_pick, g_recv)
+        idx, pick, zeros = self._plan(move, g_recv.device)
+        g_every = g_recv.new_zeros((r.group.size * (idx.shape[0] + zeros), *g_recv.shape[1:]))
+        g_every.index_add_(0, pick, g_recv)
         return _comm.Pending(_comm.reduce_scatter(g_every, r.group))
 
     def fold(self, g_x: torch.Tensor, received: torch.Tensor, move: HaloMove) -> None:
         dim = move.route.dim
-        received = received[: move.gather_idx.shape[0]]
-        g_x.index_add_(dim, move.gather_idx, received.movedim(0, dim))
+        idx = self._plan(move, g_x.device)[0]
+        g_x.index_add_(dim, idx, received[: idx.shape[0]].movedim(0, dim))
 
 
 # The registry, in the order of the metadata rows' transport codes (see `_row_values`).
@@ -614,8 +638,6 @@ class HaloMove:
 
     send_idx: torch.Tensor
     self_idx: torch.Tensor
-    gather_idx: torch.Tensor
-    gather_pick: torch.Tensor
     route: _Route
 
     def _fill_index(self, device: torch.device, gap: int | None) -> HaloFill[torch.Tensor]:
@@ -817,10 +839,9 @@ def _route(x: torch.Tensor, left: int, right: int, dim: int, group: Group,
            lengths: tuple[int, ...], *, pad: str, transport: str, flagged: bool = False,
            held: Held = (0, 0)) -> _Route:
     """The route of an agreed exchange (`dim` normalised, every chunk length known)."""
-    recv, send, gather_pad = _split_plan(group.rank, lengths, left, right, pad, group.size,
-                                         held)
+    recv, send = _split_plan(group.rank, lengths, left, right, pad, group.size, held)
     return _Route(dim, left, right, pad, _TRANSPORTS[transport], group, lengths, recv, send,
-                  gather_pad, flagged, held)
+                  flagged, held)
 
 
 @surfaces_errors

@@ -33,7 +33,7 @@ Runs = tuple[tuple[int, int, int], ...]
 class ExchangePlan:
     """One rank's part of a halo exchange; all offsets are rank-local slice indices.
 
-    Local indices (`send_idx`, `self_idx`, `gather_idx`) count in the held layout: the
+    Local indices (`send_idx`, `self_idx`) count in the held layout: the
     chunk preceded by the `held` left halo (the chunk itself when nothing is held).
     The receive buffer holds, for source ranks in order, the distinct slices wanted from each
     (sorted). The halo source buffer is `recv ++ own slices (self_idx) ++ [one zero slice]`;
@@ -49,9 +49,23 @@ class ExchangePlan:
     self_idx: tuple[int, ...]
     left_idx: tuple[int, ...]
     right_idx: tuple[int, ...]
-    gather_idx: tuple[int, ...]
-    gather_len: int
-    gather_pick: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """The allgather transport's part of an exchange (`gather_plan`): every rank all-gathers
+    a block of `length` rows, its own edge slices (`idx`, local indices in the held layout,
+    as `ExchangePlan`'s) padded with zero rows; `pick` says where each slice this rank
+    receives (in `ExchangePlan`'s receive order) sits in the gathered buffer."""
+
+    length: int
+    idx: tuple[int, ...]
+    pick: tuple[int, ...]
+
+    @property
+    def pad(self) -> int:
+        """Zero rows after this rank's slices, to the common block length."""
+        return self.length - len(self.idx)
 
 
 @dataclass(frozen=True)
@@ -205,8 +219,6 @@ def exchange_plan(
     for i, g in enumerate(own):
         position[g] = len(recv_order) + i
     zero = len(recv_order) + len(own)
-    gather_len, gather_idx, gather_pick = _gather(rank, lengths, left, right, pad, held,
-                                                  recv_order)
     local = _held_positions(rank, lengths, pad, held)
     return ExchangePlan(
         send_idx=tuple(g - base for wanted in theirs for g in wanted),
@@ -215,23 +227,29 @@ def exchange_plan(
         self_idx=tuple(local[g] for g in own),
         left_idx=tuple(zero if g is None else position[g] for g in lefts),
         right_idx=tuple(zero if g is None else position[g] for g in rights),
-        gather_idx=tuple(g - base for g in gather_idx),
-        gather_len=gather_len,
-        gather_pick=gather_pick,
     )
 
 
-def _gather(
-    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, held: Held,
-    recv_order: list[int],
-) -> tuple[int, list[int], tuple[int, ...]]:
-    """The allgather transport's layout: (rows per rank, the global slices this rank
-    contributes, where each received slice sits in the gathered buffer)."""
+@planner_cache(1024)
+def gather_plan(
+    rank: int, lengths: tuple[int, ...], left: int, right: int, pad: str, held: Held = (0, 0)
+) -> GatherPlan:
+    """The allgather transport's layout for `rank` (arguments as `exchange_plan`'s).
+
+    Example::
+        >>> g = gather_plan(1, (2, 2, 1, 0), 3, 0, "zeros")
+        >>> g.length, g.idx, g.pick
+        (2, (0, 1), (0, 1))
+    """
+    base = sum(lengths[:rank]) - held[0]
+    recv_order = [g for wanted in _remote_needs(rank, lengths, left, right, pad, held)
+                  for g in wanted]
     union = [sorted({g for w in _theirs(q, lengths, left, right, pad, held) for g in w})
              for q in range(len(lengths))]
-    gather_len = max([0, *(len(u) for u in union)])
-    slot = {g: q * gather_len + i for q, u in enumerate(union) for i, g in enumerate(u)}
-    return gather_len, union[rank], tuple(slot[g] for g in recv_order)
+    length = max([0, *(len(u) for u in union)])
+    slot = {g: q * length + i for q, u in enumerate(union) for i, g in enumerate(u)}
+    return GatherPlan(length, tuple(g - base for g in union[rank]),
+                      tuple(slot[g] for g in recv_order))
 
 
 def _theirs(

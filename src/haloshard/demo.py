@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from haloshard import TRANSPORTS, halo_exchange
-from haloshard._plan import exchange_plan
+from haloshard._plan import exchange_plan, gather_plan
 from haloshard.testing import GlooWorld, reference_halo, shard, worker_mesh
 
 SHAPE = (1, 8, 13, 32, 32)
@@ -23,10 +23,9 @@ LEFT, RIGHT, PAD = 5, 1, "replicate"
 
 
 def _sent_slices(transport: str, rank: int, lengths: tuple[int, ...]) -> int:
-    plan = exchange_plan(rank, lengths, LEFT, RIGHT, PAD)
     if transport == "allgather":  # every rank's contribution reaches the P-1 others
-        return plan.gather_len * (len(lengths) - 1)
-    return sum(plan.send_splits)
+        return gather_plan(rank, lengths, LEFT, RIGHT, PAD).length * (len(lengths) - 1)
+    return sum(exchange_plan(rank, lengths, LEFT, RIGHT, PAD).send_splits)
 
 
 def rank_report(transport: str) -> dict[str, object]:
