@@ -39,8 +39,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from haloshard import group_norm, reduce_grads
-from haloshard.integrations._ltx import SLICE_CHANNELS
 from haloshard.integrations.diffusers import LTXUpsamplerParallel, mochi_decode, plan_for
+from haloshard.integrations.diffusers.ltx import SLICE_CHANNELS
 from haloshard.testing import (
     assert_close_per_rank,
     rank_map,

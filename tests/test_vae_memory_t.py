@@ -291,7 +291,7 @@ def test_pixel_attention_drops_what_it_has_read() -> None:
     at once, 13.5 before either (the tokens, a copy of q, and q, k, v kept through the
     output projection). Exact against one device up to float32 rounding (sums over 12
     frames of products of O(1) values, in another order)."""
-    from haloshard.integrations.diffusers import _pixel_attention
+    from haloshard.integrations.diffusers.mochi import _pixel_attention
 
     attn = _mochi_attention()
     full = seeded_randn((1, 64, 12, 8, 8), 1, torch.float32)

@@ -175,7 +175,7 @@ def test_conv3d_time_taps(stride: tuple[int, ...], dilation: tuple[int, ...]) ->
     `B * C * T * H <= 20480`: im2col columns 27 times the input) runs as one conv2d per
     tap along T: the same values and gradients (float64, summed in another order: 1e-12
     on O(1) values), and torch's choice is asked of the window's own sizes."""
-    from haloshard.integrations._wan import _by_time_taps, _conv3d_time_taps
+    from haloshard.integrations.diffusers.wan import _by_time_taps, _conv3d_time_taps
 
     x = seeded_randn((1, 8, 7, 6, 5), 1).requires_grad_()
     w = seeded_randn((4, 8, 3, 3, 3), 2).requires_grad_()

@@ -57,11 +57,16 @@ from haloshard._errors import HaloError
 from haloshard._exchange import Reuse
 from haloshard._forward import ShardedForward, install, names_errors
 from haloshard._halo_forward import HaloForward, halo_window
-from haloshard._layer_styles import FirstFrameParallel, LocalParallel
+from haloshard._layer_styles import (
+    FirstFrameParallel,
+    LocalParallel,
+)
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
 from haloshard._site import Site, dtensor_site, rewrap, site_of
-from haloshard._specs import WindowPlan
+from haloshard._specs import ConvStencil, WindowPlan
 from haloshard._styles import HaloParallel
+from haloshard.integrations.diffusers._base import Rule, passing
+from haloshard.integrations.diffusers.stencils import RepeatConvStencil
 
 
 def cached_resample(forward: Any, window: torch.Tensor) -> torch.Tensor:
@@ -418,3 +423,105 @@ class WanAttentionParallel(ParallelStyle):
         _check_rows_class(module, "WanAttentionBlock", "WanAttentionParallel", self.dim)
         install(module, _AttentionRowsForward(module, 3, device_mesh))
         return module
+
+WAN_NAMES = ("AutoencoderKLWan", "WanEncoder3d", "WanDecoder3d")
+# the loops' containers: each calls its children with the feature cache and adds residuals
+WAN_RULES: dict[str, Rule] = {
+    **passing("WanEncoder3d", "WanDecoder3d", "WanResidualBlock", "WanMidBlock",
+               "WanUpBlock")}
+
+
+# ---------------------------------------------------------------- Wan 2.1 on H
+def _wan_config(module: nn.Module) -> None:
+    """Wan 2.1 only: Wan 2.2's patchify folds rows into channels, and its residual blocks'
+    shortcuts (`AvgDown3D`, `DupUp3D`) fold them too."""
+    config = module.config
+    if config.patch_size is not None or config.is_residual:
+        raise HaloError(f"AutoencoderKLWan with patch_size={config.patch_size}, is_residual="
+                        f"{config.is_residual} (Wan 2.2) folds rows into channels; planned on "
+                        "H with Wan 2.1's patch_size=None, is_residual=False only")
+
+
+def _wan_rows_conv(module: nn.Module) -> ParallelStyle:
+    """Wan's causal conv with H sharded: a 1x1x1 conv (shortcuts, quant convs) per row;
+    any other takes its H halo, for its cached frames too."""
+    if all(k == 1 for k in module.kernel_size) and not any(module._padding):
+        return LocalParallel(dim=3)
+    return WanCausalConvParallel()
+
+
+def _wan_rows_norm(module: nn.Module) -> ParallelStyle:
+    if not module.channel_first:
+        raise HaloError("WanRMS_norm with channel_first=False normalizes over the last dim "
+                        "(W of (B, C, T, H, W)); planned on H with channel_first=True only")
+    return LocalParallel(dim=3)  # F.normalize over C: per pixel
+
+
+def _wan_rows_resample(module: nn.Module) -> dict[str, ParallelStyle]:
+    """`WanResample` with H sharded runs its own forward (the loop's cache protocol, its
+    reshapes) on the `Shard(3)` DTensor; its `time_conv` (per pixel along T, with the
+    cache) takes `WanCausalConvParallel`, and its spatial `resample` (per frame: `(B*T, C,
+    H, W)`, H at dim 2) runs unedited on a window of rows. Up: nearest x2 then a 3x3 conv
+    with zero padding 1 (`RepeatConvStencil`); down: one zero row at the end, then a 3x3
+    conv of stride 2. The window is taken right before the spatial layers: rows beyond
+    the global ends are zeros there, as the conv's own padding (the time_conv's bias
+    would not keep them zero)."""
+    mode, seq = module.mode, module.resample
+    if mode in ("upsample2d", "upsample3d"):
+        up, conv = seq[0], seq[1]
+        ok = (tuple(up.scale_factor) == (2.0, 2.0) and up.mode == "nearest-exact"
+              and _conv2d_is(conv, 3, 1, 1))
+        stencil: Any = RepeatConvStencil(2, 1, pad="zeros")
+    elif mode in ("downsample2d", "downsample3d"):
+        pad, conv = seq[0], seq[1]
+        ok = (isinstance(pad, nn.ZeroPad2d) and tuple(pad.padding) == (0, 1, 0, 1)
+              and _conv2d_is(conv, 3, 2, 0))
+        stencil = ConvStencil(span=3, stride=2, pad_right=1)
+    else:
+        raise HaloError(f"WanResample with mode {mode!r} is not planned on H; expected "
+                        "upsample2d, upsample3d, downsample2d or downsample3d")
+    if not ok:
+        raise HaloError(f"WanResample ({mode}) along H expects diffusers 0.42.1's layers "
+                        f"(nearest-exact x2 and a 3x3 conv of padding 1 up; ZeroPad2d((0, 1, "
+                        f"0, 1)) and a 3x3 conv of stride 2 down), got {list(seq)}")
+    styles: dict[str, ParallelStyle] = {"resample": HaloParallel(stencil, dim=2)}
+    if mode.endswith("3d"):
+        styles["time_conv"] = WanCausalConvParallel()
+    return styles
+
+
+def _conv2d_is(conv: nn.Module, kernel: int, stride: int, padding: int) -> bool:
+    return (isinstance(conv, nn.Conv2d) and conv.padding_mode == "zeros"
+            and tuple(conv.kernel_size) == (kernel, kernel) and conv.stride[0] == stride
+            and conv.padding[0] == padding and conv.dilation[0] == 1)
+
+
+def _wan22(module: nn.Module) -> None:
+    raise HaloError(f"{type(module).__name__} (Wan 2.2's residual blocks) folds rows into "
+                    "channels in its shortcut; planned on H with Wan 2.1 only")
+
+
+WAN_ROWS: dict[str, Rule] = {
+    "AutoencoderKLWan": (_wan_config, False),
+    "WanCausalConv3d": (_wan_rows_conv, True),
+    "WanRMS_norm": (_wan_rows_norm, True),
+    "WanAttentionBlock": (lambda m: WanAttentionParallel(), True),
+    "WanResample": (_wan_rows_resample, True),
+    **{name: (_wan22, True) for name in ("WanResidualDownBlock", "WanResidualUpBlock",
+                                         "AvgDown3D", "DupUp3D")},
+}
+
+
+def check_wan_dims(name: str, dims: tuple[int, ...]) -> None:
+    """Wan's encode and decode are chunk loops along T with a feature cache: on H they run
+    unchanged; on T they are `wan_encode` / `wan_decode` with their own plans."""
+    if name not in WAN_NAMES or dims == (3,):
+        return
+    if dims == (2,):
+        raise HaloError(f"{name}: Wan's encode and decode are chunk loops along T with a "
+                        "feature cache; use wan_encoder_plan(vae) with wan_encode(vae, x), "
+                        "and wan_decoder_plan(vae) with wan_decode(vae, z), to shard T, or "
+                        "plan_for(vae, dims=(3,)) to shard H (the public calls unchanged)")
+    raise HaloError(f"{name} cannot be planned on dims {dims}: Wan's encode and decode "
+                    "loops walk T one chunk at a time, so T cannot be sharded under them; "
+                    "expected dims=(3,) (H)")
