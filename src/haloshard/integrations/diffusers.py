@@ -920,14 +920,19 @@ def _pixel_attention_rows(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     tokens = x.permute(0, 3, 4, 2, 1).contiguous()  # (B, H_r, W, T, C)
 
     def heads(lin: nn.Module, norm: nn.Module | None) -> torch.Tensor:
-        t = lin(tokens)
-        t = t.unflatten(-1, (attn.heads, t.shape[-1] // attn.heads)).transpose(-3, -2)
-        return norm(t) if norm is not None else t  # (B, H_r, W, heads, T, E)
+        t = lin(tokens).flatten(0, 2)  # one sequence per pixel, as the processor's batch
+        t = t.unflatten(-1, (attn.heads, t.shape[-1] // attn.heads)).transpose(1, 2)
+        return norm(t) if norm is not None else t  # (B*H_r*W, heads, T, E)
 
+    # 4-D, as the processor calls it: on CPU, torch's attention runs its flash kernel only
+    # for 4-D inputs; with more dims it falls back to the math path, which holds every
+    # pixel's (T, T) scores and their softmax at once (one device holds neither).
     q, k, v = heads(attn.to_q, attn.norm_q), heads(attn.to_k, attn.norm_k), \
         heads(attn.to_v, None)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    o = attn.to_out[1](attn.to_out[0](o.transpose(-3, -2).flatten(-2)))  # (B, H_r, W, T, C)
+    del q, k, v
+    o = attn.to_out[1](attn.to_out[0](o.transpose(1, 2).flatten(-2)))  # (B*H_r*W, T, C)
+    o = o.unflatten(0, tokens.shape[:3])  # (B, H_r, W, T, C)
     if attn.residual_connection:
         o = o + tokens
     o = (o / attn.rescale_output_factor).permute(0, 4, 3, 1, 2).narrow(dim, 0, n)
@@ -1377,13 +1382,17 @@ def _refused(cls: str, dims: tuple[int, ...]) -> _Rule:
 
 def _rows_causal_conv(module: nn.Module) -> ParallelStyle:
     """HunyuanVideo's (and Mochi's replicate) causal conv with H sharded: its `F.pad` of
-    H is centred, so `CausalConvParallel(dim=3)` with those widths (any stride)."""
+    H is centred, so `CausalConvParallel(dim=3)` with those widths (any stride). Its causal
+    `F.pad` of T and its `F.pad` of W are named too, so that the rows are padded along
+    them before the H exchange and the wrapper's `F.pad` copies nothing (one window per
+    rank, not the window and its padded copy)."""
     if module.pad_mode not in _PAD:
         raise HaloError(f"a causal conv with pad_mode {module.pad_mode!r} is not supported; "
                         f"expected one of {sorted(_PAD)}")
-    left, right = module.time_causal_padding[2:4]
+    w_left, w_right, left, right, t_left, t_right = module.time_causal_padding
+    pads = {2: (t_left, t_right), 3: (left, right), 4: (w_left, w_right)}
     return CausalConvParallel(pad=_PAD[module.pad_mode], dim=3,  # type: ignore[arg-type]
-                              pads={3: (left, right)})
+                              pads={d: lr for d, lr in pads.items() if d == 3 or any(lr)})
 
 
 def _time_rows_causal_conv(module: nn.Module) -> ParallelStyle:
