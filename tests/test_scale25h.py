@@ -269,3 +269,34 @@ def test_rows_attention_holds_no_scores() -> None:
     assert ranks <= 1.1 * one, ranks / one
     scores = [s for s in outputs.shapes if s[-2:] == (frames, frames)]
     assert not scores, scores
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("rows", "world"), [(10, 2), (6, 3)])
+def test_rows_mochi_block_exact(rows: int, world: int) -> None:
+    """Mochi's first down block (conv_in of stride 2 on H, a resnet, the attention along
+    T per pixel) with H sharded, with autograd: forward, input gradient and every
+    parameter gradient against one device, float64. 10 rows as 5, 5 -> 3, 2 after
+    conv_in; 6 as 2, 2, 2 -> 1, 1, 1."""
+    vae = mochi_vae().double()
+    full = seeded_randn((1, 32, 5, rows, 4), 1)
+    block = vae.encoder.down_blocks[0]
+    with single_device():
+        twin = copy.deepcopy(block)
+        x_ref = full.clone().requires_grad_()
+        y_ref = twin(x_ref)[0]
+        gy = seeded_randn(tuple(y_ref.shape), 2)
+        (y_ref * gy).sum().backward()
+    with simulated_mesh(world) as mesh:
+        parallelize_module(vae.encoder, mesh, plan_for(vae.encoder, dims=(3,)))
+        x = distribute_tensor(full, mesh, [Shard(3)]).requires_grad_()
+        y = block(x)[0]
+        assert isinstance(y, DTensor) and tuple(y.placements) == (Shard(3),), y
+        torch.testing.assert_close(y.full_tensor(), y_ref.detach(), **TOL)
+        (y * distribute_tensor(gy, mesh, [Shard(3)])).sum().backward()
+        torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad, **TOL)
+        reduce_grads(block, mesh)
+        for (name, p), q in zip(block.named_parameters(), twin.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **TOL)
