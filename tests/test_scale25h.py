@@ -300,3 +300,80 @@ def test_rows_mochi_block_exact(rows: int, world: int) -> None:
             assert (p.grad is None) == (q.grad is None), name
             if q.grad is not None:
                 assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **TOL)
+
+
+# ---------------------------------------------------------------- HunyuanVideo's upsampler on H
+def hunyuan_upsampler(channels: int, factor: tuple[int, int, int]) -> tuple[nn.Module, Any]:
+    """HunyuanVideo's upsampler (nearest by `factor`, the first frame by its spatial
+    factors only, then a causal replicate conv, k 3) and the style its H plan gives it."""
+    from diffusers import AutoencoderKLHunyuanVideo
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import (
+        HunyuanVideoUpsampleCausal3D,
+    )
+
+    with single_device():
+        vae = AutoencoderKLHunyuanVideo(
+            latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+            norm_num_groups=2)
+    style = _rows_style(vae.decoder, "HunyuanVideoUpsampleCausal3D")
+    with single_device():
+        torch.manual_seed(0)
+        return HunyuanVideoUpsampleCausal3D(channels, channels, upsample_factor=factor), style
+
+
+@pytest.mark.simulated
+def test_rows_upsampler_gathers_once() -> None:
+    """Inference, H sharded (16 rows as 8, 8; 9 frames -> 17): when the conv starts, the
+    two ranks hold together 0.44 of what one device holds there (its interpolated frames,
+    their concatenation and its padded copy of them), since each rank gathers once the
+    up-rows its outputs read (16 and 1 on each side, W padded); the reverted style ran
+    the module on a window of 10 rows (20 up-rows): 1.33 of one device's."""
+    module, style = hunyuan_upsampler(8, (2, 2, 2))
+    full = seeded_randn((1, 8, 9, 16, 8), 1, torch.float32)
+    with single_device(), torch.no_grad():
+        one, y_ref = live_at_conv(lambda: module(full))
+    with simulated_mesh(2) as mesh:
+        parallelize_module(module, mesh, style)
+        x = distribute_tensor(full, mesh, [Shard(3)])
+        with torch.no_grad():
+            module(x)  # agrees the site
+            ranks, y = live_at_conv(lambda: module(x))
+        assert_close_per_rank(y.to_local(), lambda r: shard(y_ref, 3, 2, r), mesh, **TOL32)
+    # per rank, the gathered up-frames: 8 channels, 2 of history + 17 frames, 16 + 2
+    # up-rows, 16 + 2 up-columns (float32); beside them only the small index tensors
+    gathered = 2 * 8 * 19 * 18 * 18 * 4
+    assert gathered <= ranks <= 1.05 * gathered, ranks / gathered
+    assert ranks <= 0.5 * one, ranks / one
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("rows", "world", "factor"), [
+    (5, 2, (2, 2, 2)),  # 3, 2 rows -> 10 up-rows as 5, 5 (a rank's outputs cross rows)
+    (7, 3, (2, 2, 2)),  # 3, 2, 2 -> 14 as 5, 5, 4
+    (3, 2, (1, 2, 2)),  # no temporal factor
+    (2, 4, (2, 2, 2)),  # 4 up-rows as 1, 1, 1, 1 on 1, 1, 0, 0 rows: halos from afar
+    (1, 3, (2, 2, 2)),  # 2 up-rows as 1, 1, 0: a rank without outputs (the window path)
+])
+def test_rows_upsampler_exact(rows: int, world: int, factor: tuple[int, int, int]) -> None:
+    """H sharded: forward, input gradient and parameter gradients against one device,
+    float64."""
+    module, style = hunyuan_upsampler(3, factor)
+    module = module.double()
+    twin = copy.deepcopy(module)
+    full = seeded_randn((1, 3, 4, rows, 3), 1)
+    with single_device():
+        x_ref = full.clone().requires_grad_()
+        y_ref = twin(x_ref)
+        gy = seeded_randn(tuple(y_ref.shape), 2)
+        (y_ref * gy).sum().backward()
+    with simulated_mesh(world) as mesh:
+        parallelize_module(module, mesh, style)
+        x = distribute_tensor(full, mesh, [Shard(3)]).requires_grad_()
+        y = module(x)
+        assert isinstance(y, DTensor) and tuple(y.placements) == (Shard(3),), y
+        torch.testing.assert_close(y.full_tensor(), y_ref.detach(), **TOL)
+        (y * distribute_tensor(gy, mesh, [Shard(3)])).sum().backward()
+        torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad, **TOL)
+        reduce_grads(module, mesh)
+        for p, q in zip(module.parameters(), twin.parameters(), strict=True):
+            assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **TOL)
