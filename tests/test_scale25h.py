@@ -13,6 +13,11 @@ decode and encode with `plan_for(vae, dims=(3,))`, against one device.
   device) calls it on 4-D `(pixels, heads, T, E)`, which runs the flash kernel and
   holds no scores. The rows now attend on 4-D too: no `(T, T)` tensor (counted), the peak
   under one device's share, and exact against one device, forward and backward.
+- HunyuanVideo's upsampler with H sharded ran its own forward on a window of rows: the
+  interpolated window, its concatenation with the first frame and the conv wrapper's
+  padded copy, each taller than the rows its outputs read. It now gathers those up-rows
+  (every up-frame and padded up-column) from the exchanged rows in one index, as it does
+  with T sharded, and runs its conv on them (counted: one gathered buffer per rank).
 
 Memory is counted on simulated ranks (`simulated_mesh`, `LocalTensorMode`: every op runs
 for all ranks at once, so the bytes live at a moment are the sum over ranks of what each
