@@ -254,9 +254,10 @@ class HunyuanUpsampleParallel(ParallelStyle):
     Its forward (interpolate the first frame spatially, the others by `upsample_factor`,
     then its `HunyuanVideoCausalConv3d`) runs unedited on a window of its input.
 
-    With H sharded (`dim=3`), the same module runs on a window of rows
-    (`RepeatConvStencil`: nearest by the factor along H, then the conv's replicate `F.pad`
-    of H, kept on the window).
+    With H sharded (`dim=3`), the stencil along H is `RepeatConvStencil` (nearest by the
+    factor along H, then the conv's replicate `F.pad` of H): with nearest power-of-two
+    factors and a conv of torch's own, the up-rows a rank's outputs read are gathered from
+    its window of rows in one index and convolved; otherwise the module runs on the window.
 
     Raises:
         HaloError: in `_apply` for another class, a dim other than 2 (T) or 3 (H), a
