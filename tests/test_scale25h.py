@@ -382,3 +382,57 @@ def test_rows_upsampler_exact(rows: int, world: int, factor: tuple[int, int, int
         reduce_grads(module, mesh)
         for p, q in zip(module.parameters(), twin.parameters(), strict=True):
             assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **TOL)
+
+
+# ---------------------------------------------------------------- real ranks (gloo)
+@pytest.fixture(scope="module")
+def gloo2() -> Any:
+    from haloshard.testing import GlooWorld
+
+    world = GlooWorld(2, timeout=300)
+    yield world
+    world.close()
+
+
+def _rows_conv_layout(name: str) -> dict[str, Any]:
+    """On this gloo rank: whether the causal conv with H sharded gets a channels-last
+    window from a channels-last chunk (Mochi's encoder runs channels-last after its
+    `proj_in`), and the output's and input gradient's differences to one device's."""
+    import torch.distributed as dist
+
+    from haloshard.testing import worker_mesh
+
+    mesh = worker_mesh(dist.get_world_size())
+    rank, world = mesh.get_local_rank(), mesh.size()
+    module, style = CONVS[name](8, 8)
+    twin = copy.deepcopy(module)
+    seen: list[bool] = []
+    module.conv.register_forward_pre_hook(lambda m, a: seen.append(
+        a[0].is_contiguous(memory_format=torch.channels_last_3d)))
+    parallelize_module(module, mesh, style)
+    full = seeded_randn((1, 8, 6, 7, 6), 1, torch.float32).to(
+        memory_format=torch.channels_last_3d)  # 4, 3 rows
+    x_ref = full.clone().requires_grad_()
+    _first(twin(x_ref)).sum().backward()
+    y_ref = _first(twin(full)).detach()
+    local = shard(full, 3, world, rank).contiguous(
+        memory_format=torch.channels_last_3d).requires_grad_()
+    y = _first(module(DTensor.from_local(local, mesh, [Shard(3)], shape=full.shape,
+                                         stride=full.stride()))).to_local()
+    y.sum().backward()
+    return {"channels_last": seen,
+            "diff": float((y - shard(y_ref, 3, world, rank)).abs().max()),
+            "grad": float((local.grad - shard(x_ref.grad, 3, world, rank)).abs().max())}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_rows_causal_conv_keeps_channels_last(gloo2: Any, name: str) -> None:
+    """2 gloo ranks, H sharded (7 rows as 4, 3), padded before the exchange: a
+    channels-last chunk still gives the conv a channels-last window, as one device's
+    padded input is (a contiguous one would make the conv reorder it into another
+    buffer). Exact against one device, forward and input gradient (float32: a few ulps
+    of sums of 27 * 8 products of O(1) values)."""
+    for rank, row in enumerate(gloo2.run(_rows_conv_layout, name)):
+        assert row["channels_last"] == [True], (rank, row)
+        assert row["diff"] <= 1e-5 and row["grad"] <= 1e-5, (rank, row)
