@@ -163,13 +163,17 @@ def refused_rule(cls: str, dims: tuple[int, ...]) -> Rule:
 
 def rows_causal_conv(module: nn.Module) -> ParallelStyle:
     """HunyuanVideo's (and Mochi's replicate) causal conv with H sharded: its `F.pad` of
-    H is centred, so `CausalConvParallel(dim=3)` with those widths (any stride)."""
+    H is centred, so `CausalConvParallel(dim=3)` with those widths (any stride). Its causal
+    `F.pad` of T and its `F.pad` of W are named too, so that the rows are padded along
+    them before the H exchange and the wrapper's `F.pad` copies nothing (one window per
+    rank, not the window and its padded copy)."""
     if module.pad_mode not in _PAD:
         raise HaloError(f"a causal conv with pad_mode {module.pad_mode!r} is not supported; "
                         f"expected one of {sorted(_PAD)}")
-    left, right = module.time_causal_padding[2:4]
+    w_left, w_right, left, right, t_left, t_right = module.time_causal_padding
+    pads = {2: (t_left, t_right), 3: (left, right), 4: (w_left, w_right)}
     return CausalConvParallel(pad=_PAD[module.pad_mode], dim=3,  # type: ignore[arg-type]
-                              pads={3: (left, right)})
+                              pads={d: lr for d, lr in pads.items() if d == 3 or any(lr)})
 
 
 def time_rows_causal_conv(module: nn.Module) -> ParallelStyle:

@@ -54,9 +54,10 @@ class HunyuanUpsampleParallel(DimStyle):
     Its forward (interpolate the first frame spatially, the others by `upsample_factor`,
     then its `HunyuanVideoCausalConv3d`) runs unedited on a window of its input.
 
-    With H sharded (`dim=3`), the same module runs on a window of rows
-    (`RepeatConvStencil`: nearest by the factor along H, then the conv's replicate `F.pad`
-    of H, kept on the window).
+    With H sharded (`dim=3`), the stencil along H is `RepeatConvStencil` (nearest by the
+    factor along H, then the conv's replicate `F.pad` of H): with nearest power-of-two
+    factors and a conv of torch's own, the up-rows a rank's outputs read are gathered from
+    its window of rows in one index and convolved; otherwise the module runs on the window.
 
     Raises:
         HaloError: in `_apply` for another class, a dim other than 2 (T) or 3 (H), a
@@ -70,6 +71,8 @@ class HunyuanUpsampleParallel(DimStyle):
         if self.dim == 3:
             install(module, HaloForward.of(module, Annotation(None, 3, _hunyuan_rows(module)),
                                            device_mesh))
+            if _direct_upsample(module) and module.conv.time_causal_padding[5] == 0:
+                _direct_forward(module, _RowsUpsampleForward)
             return module
         check_time_dim(self.dim, "HunyuanUpsampleParallel")
         factor, wrapper = module.upsample_factor[0], module.conv
@@ -86,12 +89,17 @@ class HunyuanUpsampleParallel(DimStyle):
         stencil = UpCausalStencil(int(factor), span)
         install(module, HaloForward.of(module, Annotation(None, self.dim, stencil), device_mesh))
         if _direct_upsample(module):
-            base = module.forward
-            assert isinstance(base, HaloForward)
-            module.forward = _UpsampleForward(module, base.annotation, base.mesh, base.saved,
-                                              base.previous, overlap=False, name=base.name)
+            _direct_forward(module, _UpsampleForward)
         also_rows(module, _hunyuan_rows)
         return module
+
+
+def _direct_forward(module: nn.Module, kind: type[HaloForward]) -> None:
+    """The installed halo forward of `module` replaced by `kind`, a direct upsampler."""
+    base = module.forward
+    assert isinstance(base, HaloForward)
+    module.forward = kind(module, base.annotation, base.mesh, base.saved, base.previous,
+                          overlap=False, name=base.name)
 
 
 def _direct_upsample(module: nn.Module) -> bool:
@@ -156,6 +164,58 @@ def _up_frames(rank: int, length: int, world: int, stencil: UpCausalStencil, uni
     u = torch.arange(s - stencil.span + 1, s + longest, device=device).clamp(max=s + n - 1)
     return torch.where(u > 0, torch.div(u - 1, stencil.factor, rounding_mode="floor") + 1,
                        0) - i0
+
+
+class _RowsUpsampleForward(HaloForward):
+    """`HunyuanVideoUpsampleCausal3D` with H sharded (T whole), without running its forward
+    on a window of rows: the up-rows this rank's outputs read (the conv's reach on each
+    side, replicate beyond the global ends) are gathered from the exchanged window in one
+    index, with every up-frame (its causal history included) and up-column, replicate-padded
+    as its `F.pad` pads them; then its conv runs on them with no padding. The module's own
+    forward on a window builds the interpolated frames, their concatenation and a padded
+    copy, each `factor * reach` rows taller than what this rank reads, then drops those
+    outputs. With T sharded as well, or a rank without outputs, the window path runs."""
+
+    def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        site = site_of(x, self.annotation.dim, self.mesh, several=True)
+        world, stencil = site.mesh.size(site.axis), self.annotation.stencil
+        assert isinstance(stencil, RepeatConvStencil)
+        out_length = stencil.out_length(site.length)
+        if (site.others or args or kwargs or has_spare(site.spare)
+                or min(shard_sizes(out_length, world)) == 0):
+            return super().sharded(x, *args, **kwargs)
+        uniform = enabled_local_tensor_mode() is not None
+        plan = plan_windows(stencil, site.length, world, uniform=uniform)
+        window = halo_window(site, plan, self.annotation, self.reuse(site))
+        rank, m = site.mesh.get_local_rank(site.axis), self.module
+        pads, device = m.conv.time_causal_padding, window.device
+        # every frame is on this rank: its up-frames as one rank of one computes them
+        time = UpCausalStencil(int(m.upsample_factor[0]), pads[4] + 1)
+        frames = _up_frames(0, window.shape[2], 1, time, False, device)
+        rows = _window_rows(rank, site.length, world, stencil, uniform, device)
+        cols = _up_rows(window.shape[4], int(m.upsample_factor[2]), pads[0], device)
+        up = _gathered(window, frames, rows, cols)
+        del window
+        y = m.conv.conv(up)
+        if uniform:  # every simulated rank ran the longest chunk's rows: keep its own
+            y = y.narrow(3, 0, pick(rank, plan.out_len)[0])
+        return rewrap(y, site, 3, out_length)
+
+
+@maybe_run_for_local_tensor
+def _window_rows(rank: int, length: int, world: int, stencil: RepeatConvStencil,
+                 uniform: bool, device: torch.device) -> torch.Tensor:
+    """Window indices of the input rows behind the up-rows `[s - reach, s + n + reach)`
+    (this rank's n output rows from global up-row s and the rows its conv reads around
+    them): an up-row beyond the global ends repeats the edge one (replicate), up-row u
+    is row `u // factor`. `uniform`: as many as the longest chunk's, the last repeated."""
+    out_length, reach = stencil.out_length(length), stencil.reach
+    n, s = shard_size_and_offset(out_length, world, rank)
+    i0 = stencil.window(s, s + n)[0]
+    longest = shard_sizes(out_length, world)[0] if uniform else n
+    u = torch.arange(s - reach, s + longest + reach, device=device).clamp(
+        max=s + n - 1 + reach)
+    return torch.div(u.clamp(0, out_length - 1), stencil.factor, rounding_mode="floor") - i0
 
 
 def _gathered(window: torch.Tensor, frames: torch.Tensor, rows: torch.Tensor,

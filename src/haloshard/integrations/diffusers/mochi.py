@@ -291,14 +291,19 @@ def _pixel_attention_rows(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     tokens = x.permute(0, 3, 4, 2, 1).contiguous()  # (B, H_r, W, T, C)
 
     def heads(lin: nn.Module, norm: nn.Module | None) -> torch.Tensor:
-        t = lin(tokens)
-        t = t.unflatten(-1, (attn.heads, t.shape[-1] // attn.heads)).transpose(-3, -2)
-        return norm(t) if norm is not None else t  # (B, H_r, W, heads, T, E)
+        t = lin(tokens).flatten(0, 2)  # one sequence per pixel, as the processor's batch
+        t = t.unflatten(-1, (attn.heads, t.shape[-1] // attn.heads)).transpose(1, 2)
+        return norm(t) if norm is not None else t  # (B*H_r*W, heads, T, E)
 
+    # 4-D, as the processor calls it: on CPU, torch's attention runs its flash kernel only
+    # for 4-D inputs; with more dims it falls back to the math path, which holds every
+    # pixel's (T, T) scores and their softmax at once (one device holds neither).
     q, k, v = heads(attn.to_q, attn.norm_q), heads(attn.to_k, attn.norm_k), \
         heads(attn.to_v, None)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    o = attn.to_out[1](attn.to_out[0](o.transpose(-3, -2).flatten(-2)))  # (B, H_r, W, T, C)
+    del q, k, v
+    o = attn.to_out[1](attn.to_out[0](o.transpose(1, 2).flatten(-2)))  # (B*H_r*W, T, C)
+    o = o.unflatten(0, tokens.shape[:3])  # (B, H_r, W, T, C)
     if attn.residual_connection:
         o = o + tokens
     o = (o / attn.rescale_output_factor).permute(0, 4, 3, 1, 2).narrow(dim, 0, n)

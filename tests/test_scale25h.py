@@ -1,0 +1,438 @@
+"""Issue 25 ("Real scale") on H: the memory misses of HunyuanVideo's encode and Mochi's
+decode and encode with `plan_for(vae, dims=(3,))`, against one device.
+
+- A causal conv (HunyuanVideo's, Mochi's replicate CogVideoX conv) with H sharded got its
+  H window (the rows and their halo) from the style, then padded a copy of it itself (its
+  `F.pad` of T, causal, and of W): the window and its padded copy lived at once, where one
+  device holds its padded input only. The plan now names those widths too, so the rows
+  are padded along T and W before the H exchange and the wrapper's `F.pad` copies nothing:
+  one padded window per rank when the conv starts (counted).
+- Mochi's attention along T per pixel, with H sharded, called torch's attention on 6-D
+  `(B, H_r, W, heads, T, E)` tensors, for which CPU's attention falls back to its math
+  path: every pixel's `(T, T)` scores and their softmax at once. The processor (one
+  device) calls it on 4-D `(pixels, heads, T, E)`, which runs the flash kernel and
+  holds no scores. The rows now attend on 4-D too: no `(T, T)` tensor (counted), the peak
+  under one device's share, and exact against one device, forward and backward.
+- HunyuanVideo's upsampler with H sharded ran its own forward on a window of rows: the
+  interpolated window, its concatenation with the first frame and the conv wrapper's
+  padded copy, each taller than the rows its outputs read. It now gathers those up-rows
+  (every up-frame and padded up-column) from the exchanged rows in one index, as it does
+  with T sharded, and runs its conv on them (counted: one gathered buffer per rank).
+
+Memory is counted on simulated ranks (`simulated_mesh`, `LocalTensorMode`: every op runs
+for all ranks at once, so the bytes live at a moment are the sum over ranks of what each
+rank holds then) with the allocator-tracked counter `benchmarks.vae` uses (torch's
+profiler allocation records on CPU).
+
+Tolerances: float64 exactness tests at atol = 1e-12, rtol = 1e-10: the sharded run adds
+the same products in another order (parameter gradients summed over ranks), a few ulps of
+O(1) values apart, while a misplaced frame or row is O(1). The memory tests run in float32
+(the benchmark's dtype) and compare at 1e-5 (sums of a few hundred O(1) products, in
+oneDNN's or the attention kernel's order).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from haloshard import reduce_grads
+from haloshard.integrations.diffusers import plan_for
+from haloshard.testing import (
+    assert_close_per_rank,
+    rank_map,
+    seeded_randn,
+    shard,
+    sharded,
+    simulated_mesh,
+    single_device,
+)
+
+pytest.importorskip("diffusers")
+
+TOL = {"atol": 1e-12, "rtol": 1e-10}
+TOL32 = {"atol": 1e-5, "rtol": 1e-5}
+
+
+# ---------------------------------------------------------------- counters
+def _allocations(fn: Callable[[], Any]) -> tuple[list[tuple[int, int]], list[int], Any]:
+    """The profiler's allocation records during `fn()` as (time, bytes; negative: a
+    free), the start times of its `aten::convolution` calls, and `fn`'s result."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    pending, sizes, convs = list(prof.profiler.kineto_results.experimental_event_tree()), [], []
+    while pending:
+        node = pending.pop()
+        pending.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
+        elif node.name == "aten::convolution":
+            convs.append(node.start_time_ns)
+    return sorted(sizes), convs, out
+
+
+def live_at_conv(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """Bytes allocated during `fn()` and still live when its first conv starts: the
+    buffers that conv reads, whatever its kernel then allocates. And `fn`'s result."""
+    sizes, convs, out = _allocations(fn)
+    assert convs, "no aten::convolution ran"
+    return sum(size for t, size in sizes if t < min(convs)), out
+
+
+def peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """The peak of bytes allocated during `fn()` above its start, and `fn`'s result."""
+    sizes, _, out = _allocations(fn)
+    live = peak = 0
+    for _, size in sizes:
+        live += size
+        peak = max(peak, live)
+    return peak, out
+
+
+class Outputs(TorchDispatchMode):
+    """The shape of every aten op's tensor output under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+# ---------------------------------------------------------------- the layers
+def _rows_style(part: nn.Module, cls: str) -> Any:
+    """The style `plan_for(part, dims=(3,))` gives the first module of class `cls`."""
+    plan = plan_for(part, dims=(3,))
+    fqn = next(n for n, m in part.named_modules() if type(m).__name__ == cls and n in plan)
+    return plan[fqn]
+
+
+def hunyuan_conv(cin: int, cout: int, stride: int = 1) -> tuple[nn.Module, Any]:
+    """HunyuanVideo's causal conv (k 3, replicate `F.pad` of T, H, W) and its H style."""
+    from diffusers import AutoencoderKLHunyuanVideo
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import (
+        HunyuanVideoCausalConv3d,
+    )
+
+    with single_device():
+        vae = AutoencoderKLHunyuanVideo(
+            latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+            norm_num_groups=2)
+    style = _rows_style(vae.encoder, "HunyuanVideoCausalConv3d")
+    with single_device():
+        torch.manual_seed(0)
+        return HunyuanVideoCausalConv3d(cin, cout, 3, stride=stride), style
+
+
+def mochi_vae() -> nn.Module:
+    from diffusers import AutoencoderKLMochi
+
+    with single_device():  # GroupNorm and attention heads need 32 channels
+        torch.manual_seed(0)
+        return AutoencoderKLMochi(
+            encoder_block_out_channels=(32,) * 4, decoder_block_out_channels=(32,) * 4,
+            latent_channels=4, layers_per_block=(1,) * 5)
+
+
+def mochi_conv(cin: int, cout: int, stride: int = 1) -> tuple[nn.Module, Any]:
+    """Mochi's causal conv (CogVideoX's class, replicate mode) and its H style."""
+    from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXCausalConv3d
+
+    style = _rows_style(mochi_vae().decoder, "CogVideoXCausalConv3d")
+    with single_device():
+        torch.manual_seed(0)
+        return CogVideoXCausalConv3d(cin, cout, 3, stride=stride, pad_mode="replicate"), style
+
+
+CONVS = {"hunyuan": hunyuan_conv, "mochi": mochi_conv}
+
+
+def _first(y: Any) -> torch.Tensor:
+    return y[0] if isinstance(y, tuple) else y
+
+
+# ---------------------------------------------------------------- causal convs on H
+@pytest.mark.simulated
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_rows_causal_conv_holds_one_window(name: str) -> None:
+    """Inference, H sharded: when the conv starts, a rank holds one padded window (its 8
+    of 16 rows and 2 halo rows, 2 causal frames before its 32, W padded by 1 each side),
+    as one device holds its padded input: over both ranks 20 of one device's 18 padded
+    rows (1.11 of it; the bound 1.25 leaves room for small buffers), where the reverted
+    plan held the exchanged window and the wrapper's padded copy of it (2.1)."""
+    module, style = CONVS[name](16, 16)
+    full = seeded_randn((1, 16, 32, 16, 16), 1, torch.float32)
+    with single_device(), torch.no_grad():
+        one, y_ref = live_at_conv(lambda: _first(module(full)))
+    with simulated_mesh(2) as mesh:
+        parallelize_module(module, mesh, style)
+        x = DTensor.from_local(rank_map(mesh, lambda r: shard(full, 3, 2, r)), mesh,
+                               [Shard(3)], shape=full.shape, stride=full.stride())
+        with torch.no_grad():
+            _first(module(x))  # agrees the site
+            ranks, y = live_at_conv(lambda: _first(module(x)))
+        assert_close_per_rank(y.to_local(), lambda r: shard(y_ref, 3, 2, r), mesh, **TOL32)
+    assert one == 16 * 34 * 18 * 18 * 4, one  # one device: its padded input alone
+    assert ranks <= 1.25 * one, ranks / one
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("name", "rows", "world", "stride"), [
+    ("hunyuan", 7, 2, 1),  # 4, 3 rows
+    ("hunyuan", 9, 2, 2),  # 5, 4 rows, the downsampler's stride 2 -> 3, 2 of 5
+    ("hunyuan", 7, 3, 1),  # 3, 2, 2
+    ("mochi", 7, 2, 1),
+    ("mochi", 5, 3, 2),  # 2, 2, 1 -> stride 2: 1, 1, 1 of 3
+    ("mochi", 3, 4, 1),  # 1, 1, 1, 0: an empty chunk keeps the wrapper's own padding
+])
+def test_rows_causal_conv_exact(name: str, rows: int, world: int, stride: int) -> None:
+    """H sharded: forward, input gradient and parameter gradients against one device,
+    float64 (uneven rows, stride 2, an empty shard)."""
+    module, style = CONVS[name](3, 4, stride)
+    module = module.double()
+    twin = copy.deepcopy(module)
+    full = seeded_randn((1, 3, 5, rows, 6), 1)
+    with single_device():
+        x_ref = full.clone().requires_grad_()
+        y_ref = _first(twin(x_ref))
+        gy = seeded_randn(tuple(y_ref.shape), 2)
+        (y_ref * gy).sum().backward()
+    with simulated_mesh(world) as mesh:
+        parallelize_module(module, mesh, style)
+        x, local = sharded(mesh, full, dim=3)
+        y = _first(module(x))
+        got = y.to_local()
+        assert_close_per_rank(got, lambda r: shard(y_ref.detach(), 3, world, r), mesh, **TOL)
+        (got * rank_map(mesh, lambda r: shard(gy, 3, world, r))).sum().backward()
+        assert_close_per_rank(local.grad, lambda r: shard(x_ref.grad, 3, world, r), mesh,
+                              **TOL)
+        reduce_grads(module, mesh)
+        for p, q in zip(module.parameters(), twin.parameters(), strict=True):
+            assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **TOL)
+
+
+# ---------------------------------------------------------------- Mochi's attention on H
+def mochi_attention() -> nn.Module:
+    """`MochiDownBlock3D`'s attention: 64 channels, 2 heads, l2 q/k norms, causal."""
+    from diffusers.models.attention_processor import Attention, MochiVaeAttnProcessor2_0
+
+    with single_device():
+        torch.manual_seed(0)
+        return Attention(query_dim=64, heads=2, dim_head=32, qk_norm="l2", is_causal=True,
+                         processor=MochiVaeAttnProcessor2_0()).eval()
+
+
+def _one_device_attention(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The block's steps around its attention on one device (`MochiDownBlock3D.forward`,
+    one chunk of pixels), without the block's residual."""
+    b, _, _, h, w = x.shape
+    tokens = x.permute(0, 3, 4, 2, 1).flatten(0, 2).contiguous()
+    return attn(tokens).unflatten(0, (b, h, w)).permute(0, 4, 3, 1, 2)
+
+
+@pytest.mark.simulated
+def test_rows_attention_holds_no_scores() -> None:
+    """Inference, H sharded (16 rows as 8, 8; 24 frames): Mochi's attention along T makes
+    no `(T, T)` tensor (the reverted rows made the scores and their softmax for every
+    pixel at once, 6-D attention on CPU's math path), and the two ranks together peak
+    below one device's peak (its attention on 4-D runs the flash kernel alike), where the
+    reverted rows peaked at 1.6 times it. Exact up to float32 rounding (sums over 24
+    frames of O(1) products, in the kernel's order)."""
+    from haloshard.integrations.diffusers.mochi import _pixel_attention_rows
+
+    attn = mochi_attention()
+    frames, full = 24, seeded_randn((1, 64, 24, 16, 4), 1, torch.float32)
+    with single_device(), torch.no_grad():
+        one, want = peak_bytes(lambda: _one_device_attention(attn, full))
+    with simulated_mesh(2) as mesh, torch.no_grad():
+        x = distribute_tensor(full, mesh, [Shard(3)])
+
+        def run() -> torch.Tensor:
+            return _pixel_attention_rows(attn, x, 3)
+
+        with Outputs() as outputs:
+            run()
+        ranks, y = peak_bytes(run)
+        assert_close_per_rank(y.to_local(), lambda r: shard(want, 3, 2, r), mesh, **TOL32)
+    assert ranks <= 1.1 * one, ranks / one
+    scores = [s for s in outputs.shapes if s[-2:] == (frames, frames)]
+    assert not scores, scores
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("rows", "world"), [(10, 2), (6, 3)])
+def test_rows_mochi_block_exact(rows: int, world: int) -> None:
+    """Mochi's first down block (conv_in of stride 2 on H, a resnet, the attention along
+    T per pixel) with H sharded, with autograd: forward, input gradient and every
+    parameter gradient against one device, float64. 10 rows as 5, 5 -> 3, 2 after
+    conv_in; 6 as 2, 2, 2 -> 1, 1, 1."""
+    vae = mochi_vae().double()
+    full = seeded_randn((1, 32, 5, rows, 4), 1)
+    block = vae.encoder.down_blocks[0]
+    with single_device():
+        twin = copy.deepcopy(block)
+        x_ref = full.clone().requires_grad_()
+        y_ref = twin(x_ref)[0]
+        gy = seeded_randn(tuple(y_ref.shape), 2)
+        (y_ref * gy).sum().backward()
+    with simulated_mesh(world) as mesh:
+        parallelize_module(vae.encoder, mesh, plan_for(vae.encoder, dims=(3,)))
+        x = distribute_tensor(full, mesh, [Shard(3)]).requires_grad_()
+        y = block(x)[0]
+        assert isinstance(y, DTensor) and tuple(y.placements) == (Shard(3),), y
+        torch.testing.assert_close(y.full_tensor(), y_ref.detach(), **TOL)
+        (y * distribute_tensor(gy, mesh, [Shard(3)])).sum().backward()
+        torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad, **TOL)
+        reduce_grads(block, mesh)
+        for (name, p), q in zip(block.named_parameters(), twin.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **TOL)
+
+
+# ---------------------------------------------------------------- HunyuanVideo's upsampler on H
+def hunyuan_upsampler(channels: int, factor: tuple[int, int, int]) -> tuple[nn.Module, Any]:
+    """HunyuanVideo's upsampler (nearest by `factor`, the first frame by its spatial
+    factors only, then a causal replicate conv, k 3) and the style its H plan gives it."""
+    from diffusers import AutoencoderKLHunyuanVideo
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import (
+        HunyuanVideoUpsampleCausal3D,
+    )
+
+    with single_device():
+        vae = AutoencoderKLHunyuanVideo(
+            latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+            norm_num_groups=2)
+    style = _rows_style(vae.decoder, "HunyuanVideoUpsampleCausal3D")
+    with single_device():
+        torch.manual_seed(0)
+        return HunyuanVideoUpsampleCausal3D(channels, channels, upsample_factor=factor), style
+
+
+@pytest.mark.simulated
+def test_rows_upsampler_gathers_once() -> None:
+    """Inference, H sharded (16 rows as 8, 8; 9 frames -> 17): when the conv starts, the
+    two ranks hold together 0.44 of what one device holds there (its interpolated frames,
+    their concatenation and its padded copy of them), since each rank gathers once the
+    up-rows its outputs read (16 and 1 on each side, W padded); the reverted style ran
+    the module on a window of 10 rows (20 up-rows): 1.33 of one device's."""
+    module, style = hunyuan_upsampler(8, (2, 2, 2))
+    full = seeded_randn((1, 8, 9, 16, 8), 1, torch.float32)
+    with single_device(), torch.no_grad():
+        one, y_ref = live_at_conv(lambda: module(full))
+    with simulated_mesh(2) as mesh:
+        parallelize_module(module, mesh, style)
+        x = distribute_tensor(full, mesh, [Shard(3)])
+        with torch.no_grad():
+            module(x)  # agrees the site
+            ranks, y = live_at_conv(lambda: module(x))
+        assert_close_per_rank(y.to_local(), lambda r: shard(y_ref, 3, 2, r), mesh, **TOL32)
+    # per rank, the gathered up-frames: 8 channels, 2 of history + 17 frames, 16 + 2
+    # up-rows, 16 + 2 up-columns (float32); beside them only the small index tensors
+    gathered = 2 * 8 * 19 * 18 * 18 * 4
+    assert gathered <= ranks <= 1.05 * gathered, ranks / gathered
+    assert ranks <= 0.5 * one, ranks / one
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("rows", "world", "factor"), [
+    (5, 2, (2, 2, 2)),  # 3, 2 rows -> 10 up-rows as 5, 5 (a rank's outputs cross rows)
+    (7, 3, (2, 2, 2)),  # 3, 2, 2 -> 14 as 5, 5, 4
+    (3, 2, (1, 2, 2)),  # no temporal factor
+    (2, 4, (2, 2, 2)),  # 4 up-rows as 1, 1, 1, 1 on 1, 1, 0, 0 rows: halos from afar
+    (1, 3, (2, 2, 2)),  # 2 up-rows as 1, 1, 0: a rank without outputs (the window path)
+])
+def test_rows_upsampler_exact(rows: int, world: int, factor: tuple[int, int, int]) -> None:
+    """H sharded: forward, input gradient and parameter gradients against one device,
+    float64."""
+    module, style = hunyuan_upsampler(3, factor)
+    module = module.double()
+    twin = copy.deepcopy(module)
+    full = seeded_randn((1, 3, 4, rows, 3), 1)
+    with single_device():
+        x_ref = full.clone().requires_grad_()
+        y_ref = twin(x_ref)
+        gy = seeded_randn(tuple(y_ref.shape), 2)
+        (y_ref * gy).sum().backward()
+    with simulated_mesh(world) as mesh:
+        parallelize_module(module, mesh, style)
+        x = distribute_tensor(full, mesh, [Shard(3)]).requires_grad_()
+        y = module(x)
+        assert isinstance(y, DTensor) and tuple(y.placements) == (Shard(3),), y
+        torch.testing.assert_close(y.full_tensor(), y_ref.detach(), **TOL)
+        (y * distribute_tensor(gy, mesh, [Shard(3)])).sum().backward()
+        torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad, **TOL)
+        reduce_grads(module, mesh)
+        for p, q in zip(module.parameters(), twin.parameters(), strict=True):
+            assert_close_per_rank(p.grad, lambda r, g=q.grad: g, mesh, **TOL)
+
+
+# ---------------------------------------------------------------- real ranks (gloo)
+@pytest.fixture(scope="module")
+def gloo2() -> Any:
+    from haloshard.testing import GlooWorld
+
+    world = GlooWorld(2, timeout=300)
+    yield world
+    world.close()
+
+
+def _rows_conv_layout(name: str) -> dict[str, Any]:
+    """On this gloo rank: whether the causal conv with H sharded gets a channels-last
+    window from a channels-last chunk (Mochi's encoder runs channels-last after its
+    `proj_in`), and the output's and input gradient's differences to one device's."""
+    import torch.distributed as dist
+
+    from haloshard.testing import worker_mesh
+
+    mesh = worker_mesh(dist.get_world_size())
+    rank, world = mesh.get_local_rank(), mesh.size()
+    module, style = CONVS[name](8, 8)
+    twin = copy.deepcopy(module)
+    seen: list[bool] = []
+    module.conv.register_forward_pre_hook(lambda m, a: seen.append(
+        a[0].is_contiguous(memory_format=torch.channels_last_3d)))
+    parallelize_module(module, mesh, style)
+    full = seeded_randn((1, 8, 6, 7, 6), 1, torch.float32).to(
+        memory_format=torch.channels_last_3d)  # 4, 3 rows
+    x_ref = full.clone().requires_grad_()
+    _first(twin(x_ref)).sum().backward()
+    y_ref = _first(twin(full)).detach()
+    local = shard(full, 3, world, rank).contiguous(
+        memory_format=torch.channels_last_3d).requires_grad_()
+    y = _first(module(DTensor.from_local(local, mesh, [Shard(3)], shape=full.shape,
+                                         stride=full.stride()))).to_local()
+    y.sum().backward()
+    return {"channels_last": seen,
+            "diff": float((y - shard(y_ref, 3, world, rank)).abs().max()),
+            "grad": float((local.grad - shard(x_ref.grad, 3, world, rank)).abs().max())}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_rows_causal_conv_keeps_channels_last(gloo2: Any, name: str) -> None:
+    """2 gloo ranks, H sharded (7 rows as 4, 3), padded before the exchange: a
+    channels-last chunk still gives the conv a channels-last window, as one device's
+    padded input is (a contiguous one would make the conv reorder it into another
+    buffer). Exact against one device, forward and input gradient (float32: a few ulps
+    of sums of 27 * 8 products of O(1) values)."""
+    for rank, row in enumerate(gloo2.run(_rows_conv_layout, name)):
+        assert row["channels_last"] == [True], (rank, row)
+        assert row["diff"] <= 1e-5 and row["grad"] <= 1e-5, (rank, row)
