@@ -436,3 +436,31 @@ def test_rows_causal_conv_keeps_channels_last(gloo2: Any, name: str) -> None:
     for rank, row in enumerate(gloo2.run(_rows_conv_layout, name)):
         assert row["channels_last"] == [True], (rank, row)
         assert row["diff"] <= 1e-5 and row["grad"] <= 1e-5, (rank, row)
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize("norm_dim", [-1, 3])
+def test_time_attention_normalises_each_token(norm_dim: int) -> None:
+    """Mochi's attention along T (2 simulated ranks) with q/k `LpNorm(dim=3)`, which the
+    style accepts: dim 3 is each token's E in the processor's 4-D `(B, heads, T, E)`, so it
+    must normalise E in the style's 6-D rows too (it normalised the heads axis there,
+    silently wrong). Exact against one device up to float32 rounding (sums over 12 frames
+    of O(1) products in another order)."""
+    from diffusers.models.attention_processor import Attention, MochiVaeAttnProcessor2_0
+
+    from haloshard.integrations.diffusers.mochi import _pixel_attention
+
+    torch.manual_seed(0)
+    attn = Attention(query_dim=64, heads=2, dim_head=32, qk_norm="l2", is_causal=True,
+                     processor=MochiVaeAttnProcessor2_0()).eval()
+    attn.norm_q.dim = attn.norm_k.dim = norm_dim
+    full = torch.randn((1, 64, 12, 4, 4), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        tokens = full.permute(0, 3, 4, 2, 1).flatten(0, 2)
+        ref = attn(tokens).unflatten(0, (1, 4, 4)).permute(0, 4, 3, 1, 2)
+    with simulated_mesh(2) as mesh, torch.no_grad():
+        local = rank_map(mesh, lambda r: shard(full, 2, 2, r).clone())
+        y = _pixel_attention(attn, DTensor.from_local(
+            local, mesh, [Shard(2)], shape=full.shape, stride=full.stride()), 2)
+        assert_close_per_rank(y.to_local(), lambda r: shard(ref, 2, 2, r), mesh,
+                              atol=1e-5, rtol=1e-5)

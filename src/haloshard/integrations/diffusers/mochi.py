@@ -215,7 +215,10 @@ def _attend_pixels(attn: nn.Module, tokens: torch.Tensor, group: Any, length: in
         # heads before frames in memory: frame_attention's query rows need no copy
         t = t.unflatten(-1, (attn.heads, t.shape[-1] // attn.heads)).transpose(-3, -2)
         t = t.contiguous()
-        return (norm(t) if norm is not None else t).unsqueeze(-2)  # (B, H, W, h, T_r, 1, E)
+        if norm is not None:  # an LpNorm over each token's E (`_check_mochi_attention`): its
+            # dim (-1 or 3) names E in the processor's 4-D layout, not in these 6-D rows
+            t = F.normalize(t, p=norm.p, dim=-1, eps=norm.eps)
+        return t.unsqueeze(-2)  # (B, H, W, h, T_r, 1, E)
 
     q, k, v = heads(attn.to_q, attn.norm_q), heads(attn.to_k, attn.norm_k), \
         heads(attn.to_v, None)
