@@ -379,6 +379,8 @@ class _GroupNormFn(torch.autograd.Function):
             # so its own gradient would miss their dependence on x (silently wrong).
             raise HaloError("group_norm is differentiable once: a backward with "
                             "create_graph=True (double backward) through it is not supported")
+        if ctx.seg is None:
+            return (*_fused_backward(ctx, dy), *(None,) * 7)
         x, weight, mean, rstd, count = ctx.saved_tensors
         seg = ctx.seg
         work = torch.promote_types(x.dtype, torch.float32)
@@ -391,9 +393,7 @@ class _GroupNormFn(torch.autograd.Function):
             sums = torch.stack([_segment_sums(dxh, within, seg),
                                 _segment_sums(dxh * xh, within, seg)])  # (2, R, C)
             sums = sums.unflatten(2, (mean.shape[1], -1)).sum(-1)
-            for grp in (ctx.grp, *ctx.more):
-                sums = _comm.all_reduce_sum(sums, grp, "group_norm backward all-reduce")
-            sums = sums / count.clamp(min=1.0)
+            sums = _all_reduced(sums, ctx) / count.clamp(min=1.0)
             m1, m2 = (_expand(t, c, n, seg) for t in sums)
             dx = (_expand(rstd, c, n, seg) * (dxh - m1 - xh * m2)).to(x.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
@@ -401,6 +401,68 @@ class _GroupNormFn(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             db = dy.sum((0, *within)).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None, None, None
+
+
+def _all_reduced(sums: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """The backward's group sums over every rank holding part of the groups."""
+    for grp in (ctx.grp, *ctx.more):
+        sums = _comm.all_reduce_sum(sums, grp, "group_norm backward all-reduce")
+    return sums
+
+
+def _fused_backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, Any, Any]:
+    """`(dx, dw, db)` without segments, in the form torch's own CPU GroupNorm backward
+    computes: per-(batch, channel) sums `db_c = sum(dy)` and `ds_c = sum(dy * x)` (block
+    by block), their group sums (all-reduced), then `dx = a * dy + b * x + c` with per
+    (batch, channel) `a`, `b`, `c`, written once. The step by step form made nine
+    chunk-sized temporaries (`x - mean`, `xh`, `dy * w`, `dxh * xh`, ...) and as many passes.
+
+    With `xh = (x - mean) rstd`, `g` the weight: `sum(dxh) = sum_c g db_c` and
+    `sum(dxh xh) = rstd sum_c g (ds_c - mean db_c)` per group; `dx = rstd (g dy - m1 - xh
+    m2)` for their means `m1`, `m2`; `dw = sum_b rstd (ds_c - mean db_c)`, `db = sum_b
+    db_c`.
+    """
+    x, weight, mean, rstd, count = ctx.saved_tensors
+    work = torch.promote_types(x.dtype, torch.float32)
+    c, n, within = x.shape[1], x.ndim, tuple(range(2, x.ndim))
+    xw, dyw = x.to(work), dy.to(work)
+    need_dx, need_dw = ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]
+    db_c = dyw.sum(within)  # (B, C)
+    ds_c = _channel_dots(dyw, xw) if need_dx or need_dw else None
+    mean_c, rstd_c = (t.repeat_interleave(c // t.shape[1], dim=1) for t in (mean, rstd))
+    g = None if weight is None else weight.to(work)
+    dx = dw = None
+    if need_dx:
+        assert ds_c is not None
+        gdb, gds = (t if g is None else t * g for t in (db_c, ds_c))
+        gdb, gds = (t.unflatten(1, (mean.shape[1], -1)).sum(-1) for t in (gdb, gds))
+        sums = torch.stack([gdb, rstd * (gds - mean * gdb)])  # (2, B, G)
+        m1, m2 = _all_reduced(sums, ctx) / count.clamp(min=1.0)
+        coef_x = -rstd * rstd * m2
+        coef_1 = -coef_x * mean - rstd * m1
+        a = rstd_c if g is None else rstd_c * g
+        dx = torch.addcmul(_per_channel(coef_1, c, n), _per_channel(coef_x, c, n), xw)
+        dx = dx.addcmul_(a.view(*a.shape, *([1] * (n - 2))), dyw).to(x.dtype)
+    if need_dw:
+        assert ds_c is not None and weight is not None
+        dw = (rstd_c * (ds_c - mean_c * db_c)).sum(0).to(weight.dtype)
+    db = db_c.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+    return dx, dw, db
+
+
+def _channel_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`(a * b).sum(within)` per (batch, channel), block by block along dim 2: the products
+    are block-sized temporaries, not chunk-sized."""
+    within = tuple(range(2, a.ndim))  # x is sharded on one of them: never empty
+    if not isinstance(a.shape[2], int):  # per-rank sizes (simulated)
+        return (a * b).sum(within)
+    size = max(-(-a.shape[2] // _BLOCKS), 1)
+    total = None
+    for block_a, block_b in zip(a.split(size, 2), b.split(size, 2), strict=True):
+        part = (block_a * block_b).sum(within)
+        total = part if total is None else total.add_(part)
+    assert total is not None
+    return total
 
 
 @surfaces_errors
