@@ -109,3 +109,35 @@ def test_group_norm_backward_uneven_and_empty(length: int, world: int, affine: b
         if affine:
             torch.testing.assert_close(sum_over_ranks(grads[1], mesh), gw_ref, **TOL)
             torch.testing.assert_close(sum_over_ranks(grads[2], mesh), gb_ref, **TOL)
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("segments", "dim"), [((5, 6, 5), 2), ((3, 1, 4), 3)])
+def test_group_norm_segments_backward_one_chunk_sized_buffer(segments: tuple[int, ...],
+                                                             dim: int) -> None:
+    """With segments (frame batches, as CogVideoX's loops normalise them) the backward also
+    writes one new chunk-sized tensor, `dx` (it wrote nine), and every gradient matches a
+    loop of `F.group_norm` over the segments on one device."""
+    shape = [1, 8, 4, 4, 4]
+    shape[dim] = sum(segments)
+    full = seeded_randn(tuple(shape), 11, torch.float64) * 3 + 5
+    weight, bias = seeded_randn((8,), 12, torch.float64), seeded_randn((8,), 13, torch.float64)
+    upstream = seeded_randn(full.shape, 14, torch.float64)
+    with single_device():
+        x_ref, w_ref, b_ref = (t.clone().requires_grad_() for t in (full, weight, bias))
+        y_ref = torch.cat([F.group_norm(part, 2, w_ref, b_ref, 1e-5)
+                           for part in x_ref.split(segments, dim)], dim)
+        gx_ref, gw_ref, gb_ref = torch.autograd.grad(y_ref, (x_ref, w_ref, b_ref), upstream)
+    with simulated_mesh(2) as mesh:
+        x = rank_map(mesh, lambda r: shard(full, dim, 2, r).clone()).requires_grad_()
+        w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        y = group_norm(x, 2, w, b, 1e-5, mesh, segments=segments, dim=dim)
+        gy = rank_map(mesh, lambda r: shard(upstream, dim, 2, r))
+        with NewBuffers() as buffers:
+            gx, gw, gb = torch.autograd.grad(y, (x, w, b), gy)
+        chunk = list(full.shape)
+        chunk[dim] = sum(segments) // 2
+        assert buffers.shapes.count(tuple(chunk)) == 1, buffers.shapes
+        assert_close_per_rank(gx, lambda r: shard(gx_ref, dim, 2, r), mesh, **TOL)
+        torch.testing.assert_close(sum_over_ranks(gw, mesh), gw_ref, **TOL)
+        torch.testing.assert_close(sum_over_ranks(gb, mesh), gb_ref, **TOL)

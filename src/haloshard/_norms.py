@@ -280,8 +280,14 @@ def _expand(t: torch.Tensor, channels: int, ndim: int, seg: Segments | None
     batches, or (batch, segment) pairs whose value each slice of the segment takes."""
     if seg is None:
         return _per_channel(t, channels, ndim)
-    per_c = t.repeat_interleave(channels // t.shape[1], dim=1)  # (B * S, C)
-    return _at_slices(per_c.unflatten(0, (-1, seg.count)).movedim(1, 2), seg, ndim)
+    return _at_rows(t.repeat_interleave(channels // t.shape[1], dim=1), ndim, seg)
+
+
+def _at_rows(t: torch.Tensor, ndim: int, seg: Segments | None) -> torch.Tensor:
+    """A per-(row, channel) value `(R, C)` broadcastable to x (see `_expand`)."""
+    if seg is None:
+        return t.view(*t.shape, *([1] * (ndim - 2)))
+    return _at_slices(t.unflatten(0, (-1, seg.count)).movedim(1, 2), seg, ndim)
 
 
 def _segment_sums(t: torch.Tensor, within: tuple[int, ...], seg: Segments | None
@@ -379,28 +385,7 @@ class _GroupNormFn(torch.autograd.Function):
             # so its own gradient would miss their dependence on x (silently wrong).
             raise HaloError("group_norm is differentiable once: a backward with "
                             "create_graph=True (double backward) through it is not supported")
-        if ctx.seg is None:
-            return (*_fused_backward(ctx, dy), *(None,) * 7)
-        x, weight, mean, rstd, count = ctx.saved_tensors
-        seg = ctx.seg
-        work = torch.promote_types(x.dtype, torch.float32)
-        c, n, within = x.shape[1], x.ndim, tuple(range(2, x.ndim))
-        xh = (x.to(work) - _expand(mean, c, n, seg)) * _expand(rstd, c, n, seg)
-        dy = dy.to(work)
-        dxh = dy if weight is None else dy * weight.to(work).view(-1, *([1] * (n - 2)))
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            sums = torch.stack([_segment_sums(dxh, within, seg),
-                                _segment_sums(dxh * xh, within, seg)])  # (2, R, C)
-            sums = sums.unflatten(2, (mean.shape[1], -1)).sum(-1)
-            sums = _all_reduced(sums, ctx) / count.clamp(min=1.0)
-            m1, m2 = (_expand(t, c, n, seg) for t in sums)
-            dx = (_expand(rstd, c, n, seg) * (dxh - m1 - xh * m2)).to(x.dtype)
-        if weight is not None and ctx.needs_input_grad[1]:
-            dw = (dy * xh).sum((0, *within)).to(weight.dtype)
-        if ctx.needs_input_grad[2]:
-            db = dy.sum((0, *within)).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return (*_fused_backward(ctx, dy), *(None,) * 7)
 
 
 def _all_reduced(sums: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -411,24 +396,25 @@ def _all_reduced(sums: torch.Tensor, ctx: Any) -> torch.Tensor:
 
 
 def _fused_backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, Any, Any]:
-    """`(dx, dw, db)` without segments, in the form torch's own CPU GroupNorm backward
-    computes: per-(batch, channel) sums `db_c = sum(dy)` and `ds_c = sum(dy * x)` (block
-    by block), their group sums (all-reduced), then `dx = a * dy + b * x + c` with per
-    (batch, channel) `a`, `b`, `c`, written once. The step by step form made nine
-    chunk-sized temporaries (`x - mean`, `xh`, `dy * w`, `dxh * xh`, ...) and as many passes.
+    """`(dx, dw, db)` in the form torch's own CPU GroupNorm backward computes: per (row,
+    channel) sums `db_c = sum(dy)` and `ds_c = sum(dy * x)` (slice by slice), their group
+    sums (all-reduced), then `dx = a * dy + b * x + c` with per (row, channel) `a`, `b`,
+    `c`, written once; rows are batches, or (batch, segment) pairs. The step by step form
+    made nine chunk-sized temporaries (`x - mean`, `xh`, `dy * w`, `dxh * xh`, ...) and as
+    many passes.
 
     With `xh = (x - mean) rstd`, `g` the weight: `sum(dxh) = sum_c g db_c` and
     `sum(dxh xh) = rstd sum_c g (ds_c - mean db_c)` per group; `dx = rstd (g dy - m1 - xh
-    m2)` for their means `m1`, `m2`; `dw = sum_b rstd (ds_c - mean db_c)`, `db = sum_b
-    db_c`.
+    m2)` for their means `m1`, `m2`; `dw = sum_rows rstd (ds_c - mean db_c)`, `db =
+    sum_rows db_c`.
     """
     x, weight, mean, rstd, count = ctx.saved_tensors
-    work = torch.promote_types(x.dtype, torch.float32)
-    c, n, within = x.shape[1], x.ndim, tuple(range(2, x.ndim))
+    seg, work = ctx.seg, torch.promote_types(x.dtype, torch.float32)
+    c, n = x.shape[1], x.ndim
     xw, dyw = x.to(work), dy.to(work)
     need_dx, need_dw = ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]
-    db_c = dyw.sum(within)  # (B, C)
-    ds_c = _channel_dots(dyw, xw) if need_dx or need_dw else None
+    db_c = _segment_sums(dyw, tuple(range(2, n)), seg)  # (R, C)
+    ds_c = _row_dots(dyw, xw, seg) if need_dx or need_dw else None
     mean_c, rstd_c = (t.repeat_interleave(c // t.shape[1], dim=1) for t in (mean, rstd))
     g = None if weight is None else weight.to(work)
     dx = dw = None
@@ -436,13 +422,13 @@ def _fused_backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, Any, Any]:
         assert ds_c is not None
         gdb, gds = (t if g is None else t * g for t in (db_c, ds_c))
         gdb, gds = (t.unflatten(1, (mean.shape[1], -1)).sum(-1) for t in (gdb, gds))
-        sums = torch.stack([gdb, rstd * (gds - mean * gdb)])  # (2, B, G)
+        sums = torch.stack([gdb, rstd * (gds - mean * gdb)])  # (2, R, G)
         m1, m2 = _all_reduced(sums, ctx) / count.clamp(min=1.0)
         coef_x = -rstd * rstd * m2
         coef_1 = -coef_x * mean - rstd * m1
         a = rstd_c if g is None else rstd_c * g
-        dx = torch.addcmul(_per_channel(coef_1, c, n), _per_channel(coef_x, c, n), xw)
-        dx = dx.addcmul_(a.view(*a.shape, *([1] * (n - 2))), dyw).to(x.dtype)
+        dx = torch.addcmul(_expand(coef_1, c, n, seg), _expand(coef_x, c, n, seg), xw)
+        dx = dx.addcmul_(_at_rows(a, n, seg), dyw).to(x.dtype)
     if need_dw:
         assert ds_c is not None and weight is not None
         dw = (rstd_c * (ds_c - mean_c * db_c)).sum(0).to(weight.dtype)
@@ -450,19 +436,26 @@ def _fused_backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, Any, Any]:
     return dx, dw, db
 
 
-def _channel_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`(a * b).sum(within)` per (batch, channel), block by block along dim 2: the products
-    are block-sized temporaries, not chunk-sized."""
-    within = tuple(range(2, a.ndim))  # x is sharded on one of them: never empty
-    if not isinstance(a.shape[2], int):  # per-rank sizes (simulated)
-        return (a * b).sum(within)
-    size = max(-(-a.shape[2] // _BLOCKS), 1)
-    total = None
-    for block_a, block_b in zip(a.split(size, 2), b.split(size, 2), strict=True):
-        part = (block_a * block_b).sum(within)
-        total = part if total is None else total.add_(part)
-    assert total is not None
-    return total
+def _row_dots(a: torch.Tensor, b: torch.Tensor, seg: Segments | None) -> torch.Tensor:
+    """`_segment_sums(a * b)`, `(R, C)`, with the products block-sized temporaries (blocks
+    along the segments' dim, or dim 2), not chunk-sized."""
+    dim = 2 if seg is None else seg.dim
+    rest = tuple(i for i in range(2, a.ndim) if i != dim)
+    if not isinstance(a.shape[dim], int):  # per-rank sizes (simulated): one block
+        dots = _summed(a * b, rest)
+    else:
+        size = max(-(-a.shape[dim] // _BLOCKS), 1)
+        dots = torch.cat([_summed(block_a * block_b, rest) for block_a, block_b in
+                          zip(a.split(size, dim), b.split(size, dim), strict=True)], -1)
+    if seg is None:  # (B, C, T_r) per slice
+        return dots.sum(-1)
+    per_segment = dots.new_zeros(*dots.shape[:2], seg.count).index_add_(2, seg.ids, dots)
+    return per_segment.movedim(2, 1).flatten(0, 1)
+
+
+def _summed(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """`t` summed over `dims` (none: `t`; `sum(())` would sum it all)."""
+    return t.sum(dims) if dims else t
 
 
 @surfaces_errors
