@@ -4,8 +4,10 @@
   `xh`, `dy * w`, `dxh * xh`, `dxh - m1`, `xh * m2`, ... nine chunk-sized temporaries and
   as many passes, where torch's own GroupNorm backward writes only `dx`. It now computes
   per-(batch, channel) sums of `dy` and `dy * x` (block by block), their group sums
-  (all-reduced as before), and `dx = a * dy + b * x + c` in one buffer: counted, and exact
-  against one device (input, weight and bias gradients; uneven and empty shards).
+  (all-reduced as before; on dense float rows torch's own GroupNorm backward kernel computes
+  both sums from our statistics, with no temporary), and `dx = a * dy + b * x + c` in one
+  buffer: counted, and exact against one device (input, weight and bias gradients; uneven
+  and empty shards, batches of 1 and 2, with and without segments; simulated and gloo).
 
 Tolerances: float64 at atol = 1e-10, as tests/test_norms.py states: the statistics and the
 group sums are the same sums taken in another order, a few ulps of O(1) values apart, while
@@ -18,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -30,6 +33,7 @@ from haloshard.testing import (
     simulated_mesh,
     single_device,
     sum_over_ranks,
+    worker_mesh,
 )
 
 TOL = {"atol": 1e-10, "rtol": 0}
@@ -37,16 +41,19 @@ TOL = {"atol": 1e-10, "rtol": 0}
 
 class NewBuffers(TorchDispatchMode):
     """The shape of every tensor an aten op writes into a new buffer under it (in-place
-    ops, which write into an existing one, are left out)."""
+    ops, which write into an existing one, and views, which write nothing, are left out)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.shapes: list[tuple[int, ...]] = []
+        self.ops: set[str] = set()  # every aten op's name
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor) and not func.overloadpacket.__name__.endswith("_"):
+        self.ops.add(func.overloadpacket.__name__)
+        if (isinstance(out, torch.Tensor) and not func.is_view
+                and not func.overloadpacket.__name__.endswith("_")):
             self.shapes.append(tuple(out.shape))
         return out
 
@@ -141,3 +148,42 @@ def test_group_norm_segments_backward_one_chunk_sized_buffer(segments: tuple[int
         assert_close_per_rank(gx, lambda r: shard(gx_ref, dim, 2, r), mesh, **TOL)
         torch.testing.assert_close(sum_over_ranks(gw, mesh), gw_ref, **TOL)
         torch.testing.assert_close(sum_over_ranks(gb, mesh), gb_ref, **TOL)
+
+
+def gloo_group_norm_backward(cases: list[tuple[int, int, bool]]) -> list[tuple[int, bool]]:
+    """Each `(batch, length, affine)` case on this rank: every gradient against one device's
+    (asserted); the chunk-sized new buffers its backward wrote, and whether torch's own
+    GroupNorm backward kernel ran."""
+    mesh, rank, world = worker_mesh(dist.get_world_size()), dist.get_rank(), dist.get_world_size()
+    counts = []
+    for batch, length, affine in cases:
+        full = seeded_randn((batch, 8, length, 4, 3), 20 + length, torch.float64) * 3 + 5
+        weight, bias = (seeded_randn((8,), 21 + i, torch.float64) for i in range(2))
+        upstream = seeded_randn(full.shape, 23, torch.float64)
+        x_ref, w_ref, b_ref = (t.clone().requires_grad_() for t in (full, weight, bias))
+        y_ref = F.group_norm(x_ref, 4, *((w_ref, b_ref) if affine else (None, None)), 1e-5)
+        want = torch.autograd.grad(y_ref, (x_ref, w_ref, b_ref) if affine else (x_ref,),
+                                   upstream)
+        x = shard(full, 2, world, rank).clone().requires_grad_()
+        params = [weight.clone().requires_grad_(), bias.clone().requires_grad_()]
+        y = group_norm(x, 4, *(params if affine else (None, None)), 1e-5, mesh)
+        gy = shard(upstream, 2, world, rank).contiguous()  # as a layer's gradient comes
+        with NewBuffers() as buffers:
+            got = torch.autograd.grad(y, (x, *params) if affine else (x,), gy)
+        counts.append((buffers.shapes.count(tuple(x.shape)),
+                       "native_group_norm_backward" in buffers.ops))
+        torch.testing.assert_close(got[0], shard(want[0], 2, world, rank), **TOL)
+        for g, w in zip(got[1:], want[1:], strict=True):
+            torch.testing.assert_close(sum_over_ranks(g, mesh), w, **TOL)
+    return counts
+
+
+@pytest.mark.gloo
+def test_group_norm_backward_gloo(gloo) -> None:
+    """On 2 gloo ranks (plain tensors: torch's kernel computes the sums), batches of 1 and 2,
+    T even, uneven (7) and with an empty chunk (1): every gradient as one device's, and one
+    new chunk-sized buffer (`dx`) per backward on every rank with frames, where torch's
+    kernel computed the sums (the empty chunk's rank sums nothing, its own way)."""
+    cases = [(1, 16, True), (2, 7, True), (2, 6, False), (1, 1, True)]
+    for rank, counts in enumerate(gloo(2).run(gloo_group_norm_backward, cases)):
+        assert counts[:3] == [(1, True)] * 3, (rank, counts)

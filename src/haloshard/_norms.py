@@ -397,43 +397,62 @@ def _all_reduced(sums: torch.Tensor, ctx: Any) -> torch.Tensor:
 
 def _fused_backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, Any, Any]:
     """`(dx, dw, db)` in the form torch's own CPU GroupNorm backward computes: per (row,
-    channel) sums `db_c = sum(dy)` and `ds_c = sum(dy * x)` (slice by slice), their group
-    sums (all-reduced), then `dx = a * dy + b * x + c` with per (row, channel) `a`, `b`,
-    `c`, written once; rows are batches, or (batch, segment) pairs. The step by step form
-    made nine chunk-sized temporaries (`x - mean`, `xh`, `dy * w`, `dxh * xh`, ...) and as
-    many passes.
+    channel) `e_c = sum(dy * xh)` and `db_c = sum(dy)` (`_channel_sums`), their group sums
+    (all-reduced), then `dx = a * dy + b * x + c` with per (row, channel) `a`, `b`, `c`,
+    written once; rows are batches, or (batch, segment) pairs. The step by step form made
+    nine chunk-sized temporaries (`x - mean`, `xh`, `dy * w`, `dxh * xh`, ...) and as many
+    passes.
 
     With `xh = (x - mean) rstd`, `g` the weight: `sum(dxh) = sum_c g db_c` and
-    `sum(dxh xh) = rstd sum_c g (ds_c - mean db_c)` per group; `dx = rstd (g dy - m1 - xh
-    m2)` for their means `m1`, `m2`; `dw = sum_rows rstd (ds_c - mean db_c)`, `db =
-    sum_rows db_c`.
+    `sum(dxh xh) = sum_c g e_c` per group; `dx = rstd (g dy - m1 - xh m2)` for their means
+    `m1`, `m2`; `dw = sum_rows e_c`, `db = sum_rows db_c`.
     """
     x, weight, mean, rstd, count = ctx.saved_tensors
     seg, work = ctx.seg, torch.promote_types(x.dtype, torch.float32)
     c, n = x.shape[1], x.ndim
     xw, dyw = x.to(work), dy.to(work)
-    need_dx, need_dw = ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]
-    db_c = _segment_sums(dyw, tuple(range(2, n)), seg)  # (R, C)
-    ds_c = _row_dots(dyw, xw, seg) if need_dx or need_dw else None
-    mean_c, rstd_c = (t.repeat_interleave(c // t.shape[1], dim=1) for t in (mean, rstd))
+    e_c, db_c = _channel_sums(dyw, xw, mean, rstd, seg)  # (R, C) each
     g = None if weight is None else weight.to(work)
     dx = dw = None
-    if need_dx:
-        assert ds_c is not None
-        gdb, gds = (t if g is None else t * g for t in (db_c, ds_c))
-        gdb, gds = (t.unflatten(1, (mean.shape[1], -1)).sum(-1) for t in (gdb, gds))
-        sums = torch.stack([gdb, rstd * (gds - mean * gdb)])  # (2, R, G)
-        m1, m2 = _all_reduced(sums, ctx) / count.clamp(min=1.0)
+    if ctx.needs_input_grad[0]:
+        gdb, gde = (t if g is None else t * g for t in (db_c, e_c))
+        sums = torch.stack([gdb, gde]).unflatten(2, (mean.shape[1], -1)).sum(-1)
+        m1, m2 = _all_reduced(sums, ctx) / count.clamp(min=1.0)  # (R, G) each
         coef_x = -rstd * rstd * m2
         coef_1 = -coef_x * mean - rstd * m1
-        a = rstd_c if g is None else rstd_c * g
+        a = rstd.repeat_interleave(c // rstd.shape[1], dim=1)
+        a = a if g is None else a * g
         dx = torch.addcmul(_expand(coef_1, c, n, seg), _expand(coef_x, c, n, seg), xw)
         dx = dx.addcmul_(_at_rows(a, n, seg), dyw).to(x.dtype)
-    if need_dw:
-        assert ds_c is not None and weight is not None
-        dw = (rstd_c * (ds_c - mean_c * db_c)).sum(0).to(weight.dtype)
+    if weight is not None and ctx.needs_input_grad[1]:
+        dw = e_c.sum(0).to(weight.dtype)
     db = db_c.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
     return dx, dw, db
+
+
+def _channel_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                  seg: Segments | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (row, channel), `(R, C)`: `sum(dy * xh)` and `sum(dy)`, `xh = (x - mean) rstd`.
+
+    Without segments, on dense float32/float64 rows, torch's own GroupNorm backward kernel
+    computes both (its weight and bias gradients, given our statistics), one batch row at a
+    time: one pass over `dy` and `x`, no temporary. Otherwise `sum(dy * x)` block by block
+    (`_row_dots`) and `rstd (ds - mean db)`.
+    """
+    c, groups = x.shape[1], mean.shape[1]
+    per_row = math.prod(x.shape[2:])
+    if (seg is None and x.dtype in (torch.float32, torch.float64) and dy.dtype == x.dtype
+            and isinstance(per_row, int) and per_row > 0 and x.is_contiguous()
+            and dy.is_contiguous()):
+        ones = x.new_ones(c)  # torch's kernel reads the weight only for dx, not asked here
+        rows = [torch.ops.aten.native_group_norm_backward(
+            dy[i : i + 1], x[i : i + 1], mean[i : i + 1], rstd[i : i + 1], ones, 1, c,
+            per_row, groups, [False, True, True])[1:] for i in range(x.shape[0])]
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+    db_c = _segment_sums(dy, tuple(range(2, x.ndim)), seg)
+    ds_c = _row_dots(dy, x, seg)
+    mean_c, rstd_c = (t.repeat_interleave(c // groups, dim=1) for t in (mean, rstd))
+    return rstd_c * (ds_c - mean_c * db_c), db_c
 
 
 def _row_dots(a: torch.Tensor, b: torch.Tensor, seg: Segments | None) -> torch.Tensor:
