@@ -280,8 +280,14 @@ def _expand(t: torch.Tensor, channels: int, ndim: int, seg: Segments | None
     batches, or (batch, segment) pairs whose value each slice of the segment takes."""
     if seg is None:
         return _per_channel(t, channels, ndim)
-    per_c = t.repeat_interleave(channels // t.shape[1], dim=1)  # (B * S, C)
-    return _at_slices(per_c.unflatten(0, (-1, seg.count)).movedim(1, 2), seg, ndim)
+    return _at_rows(t.repeat_interleave(channels // t.shape[1], dim=1), ndim, seg)
+
+
+def _at_rows(t: torch.Tensor, ndim: int, seg: Segments | None) -> torch.Tensor:
+    """A per-(row, channel) value `(R, C)` broadcastable to x (see `_expand`)."""
+    if seg is None:
+        return t.view(*t.shape, *([1] * (ndim - 2)))
+    return _at_slices(t.unflatten(0, (-1, seg.count)).movedim(1, 2), seg, ndim)
 
 
 def _segment_sums(t: torch.Tensor, within: tuple[int, ...], seg: Segments | None
@@ -379,28 +385,96 @@ class _GroupNormFn(torch.autograd.Function):
             # so its own gradient would miss their dependence on x (silently wrong).
             raise HaloError("group_norm is differentiable once: a backward with "
                             "create_graph=True (double backward) through it is not supported")
-        x, weight, mean, rstd, count = ctx.saved_tensors
-        seg = ctx.seg
-        work = torch.promote_types(x.dtype, torch.float32)
-        c, n, within = x.shape[1], x.ndim, tuple(range(2, x.ndim))
-        xh = (x.to(work) - _expand(mean, c, n, seg)) * _expand(rstd, c, n, seg)
-        dy = dy.to(work)
-        dxh = dy if weight is None else dy * weight.to(work).view(-1, *([1] * (n - 2)))
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            sums = torch.stack([_segment_sums(dxh, within, seg),
-                                _segment_sums(dxh * xh, within, seg)])  # (2, R, C)
-            sums = sums.unflatten(2, (mean.shape[1], -1)).sum(-1)
-            for grp in (ctx.grp, *ctx.more):
-                sums = _comm.all_reduce_sum(sums, grp, "group_norm backward all-reduce")
-            sums = sums / count.clamp(min=1.0)
-            m1, m2 = (_expand(t, c, n, seg) for t in sums)
-            dx = (_expand(rstd, c, n, seg) * (dxh - m1 - xh * m2)).to(x.dtype)
-        if weight is not None and ctx.needs_input_grad[1]:
-            dw = (dy * xh).sum((0, *within)).to(weight.dtype)
-        if ctx.needs_input_grad[2]:
-            db = dy.sum((0, *within)).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return (*_fused_backward(ctx, dy), *(None,) * 7)
+
+
+def _all_reduced(sums: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """The backward's group sums over every rank holding part of the groups."""
+    for grp in (ctx.grp, *ctx.more):
+        sums = _comm.all_reduce_sum(sums, grp, "group_norm backward all-reduce")
+    return sums
+
+
+def _fused_backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, Any, Any]:
+    """`(dx, dw, db)` in the form torch's own CPU GroupNorm backward computes: per (row,
+    channel) `e_c = sum(dy * xh)` and `db_c = sum(dy)` (`_channel_sums`), their group sums
+    (all-reduced), then `dx = a * dy + b * x + c` with per (row, channel) `a`, `b`, `c`,
+    written once; rows are batches, or (batch, segment) pairs. The step by step form made
+    nine chunk-sized temporaries (`x - mean`, `xh`, `dy * w`, `dxh * xh`, ...) and as many
+    passes.
+
+    With `xh = (x - mean) rstd`, `g` the weight: `sum(dxh) = sum_c g db_c` and
+    `sum(dxh xh) = sum_c g e_c` per group; `dx = rstd (g dy - m1 - xh m2)` for their means
+    `m1`, `m2`; `dw = sum_rows e_c`, `db = sum_rows db_c`.
+    """
+    x, weight, mean, rstd, count = ctx.saved_tensors
+    seg, work = ctx.seg, torch.promote_types(x.dtype, torch.float32)
+    c, n = x.shape[1], x.ndim
+    xw, dyw = x.to(work), dy.to(work)
+    e_c, db_c = _channel_sums(dyw, xw, mean, rstd, seg)  # (R, C) each
+    g = None if weight is None else weight.to(work)
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        gdb, gde = (t if g is None else t * g for t in (db_c, e_c))
+        sums = torch.stack([gdb, gde]).unflatten(2, (mean.shape[1], -1)).sum(-1)
+        m1, m2 = _all_reduced(sums, ctx) / count.clamp(min=1.0)  # (R, G) each
+        coef_x = -rstd * rstd * m2
+        coef_1 = -coef_x * mean - rstd * m1
+        a = rstd.repeat_interleave(c // rstd.shape[1], dim=1)
+        a = a if g is None else a * g
+        dx = torch.addcmul(_expand(coef_1, c, n, seg), _expand(coef_x, c, n, seg), xw)
+        dx = dx.addcmul_(_at_rows(a, n, seg), dyw).to(x.dtype)
+    if weight is not None and ctx.needs_input_grad[1]:
+        dw = e_c.sum(0).to(weight.dtype)
+    db = db_c.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+    return dx, dw, db
+
+
+def _channel_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                  seg: Segments | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (row, channel), `(R, C)`: `sum(dy * xh)` and `sum(dy)`, `xh = (x - mean) rstd`.
+
+    Without segments, on dense float32/float64 rows, torch's own GroupNorm backward kernel
+    computes both (its weight and bias gradients, given our statistics), one batch row at a
+    time: one pass over `dy` and `x`, no temporary. Otherwise `sum(dy * x)` block by block
+    (`_row_dots`) and `rstd (ds - mean db)`.
+    """
+    c, groups = x.shape[1], mean.shape[1]
+    per_row = math.prod(x.shape[2:])
+    if (seg is None and x.dtype in (torch.float32, torch.float64) and dy.dtype == x.dtype
+            and isinstance(per_row, int) and per_row > 0 and x.is_contiguous()
+            and dy.is_contiguous()):
+        ones = x.new_ones(c)  # torch's kernel reads the weight only for dx, not asked here
+        rows = [torch.ops.aten.native_group_norm_backward(
+            dy[i : i + 1], x[i : i + 1], mean[i : i + 1], rstd[i : i + 1], ones, 1, c,
+            per_row, groups, [False, True, True])[1:] for i in range(x.shape[0])]
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+    db_c = _segment_sums(dy, tuple(range(2, x.ndim)), seg)
+    ds_c = _row_dots(dy, x, seg)
+    mean_c, rstd_c = (t.repeat_interleave(c // groups, dim=1) for t in (mean, rstd))
+    return rstd_c * (ds_c - mean_c * db_c), db_c
+
+
+def _row_dots(a: torch.Tensor, b: torch.Tensor, seg: Segments | None) -> torch.Tensor:
+    """`_segment_sums(a * b)`, `(R, C)`, with the products block-sized temporaries (blocks
+    along the segments' dim, or dim 2), not chunk-sized."""
+    dim = 2 if seg is None else seg.dim
+    rest = tuple(i for i in range(2, a.ndim) if i != dim)
+    if not isinstance(a.shape[dim], int):  # per-rank sizes (simulated): one block
+        dots = _summed(a * b, rest)
+    else:
+        size = max(-(-a.shape[dim] // _BLOCKS), 1)
+        dots = torch.cat([_summed(block_a * block_b, rest) for block_a, block_b in
+                          zip(a.split(size, dim), b.split(size, dim), strict=True)], -1)
+    if seg is None:  # (B, C, T_r) per slice
+        return dots.sum(-1)
+    per_segment = dots.new_zeros(*dots.shape[:2], seg.count).index_add_(2, seg.ids, dots)
+    return per_segment.movedim(2, 1).flatten(0, 1)
+
+
+def _summed(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """`t` summed over `dims` (none: `t`; `sum(())` would sum it all)."""
+    return t.sum(dims) if dims else t
 
 
 @surfaces_errors
