@@ -87,6 +87,7 @@ def run() -> None:
     # one write per line: the ranks share the terminal
     print(f"rank {dist.get_rank()}: output frames {y.to_local().shape[2]} of {y.shape[2]}\n",
           end="", flush=True)
+    dist.barrier()  # no rank tears gloo down while a peer still uses it
     dist.destroy_process_group()
 
 

@@ -55,6 +55,7 @@ def main() -> None:
     # one write per line: the ranks share the terminal
     print(f"rank {dist.get_rank()}: {compare(x, y, model, ref_x, ref_y, single)}\n", end="",
           flush=True)
+    dist.barrier()  # no rank tears gloo down while a peer still uses it
     dist.destroy_process_group()
 
 
