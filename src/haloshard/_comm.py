@@ -41,6 +41,7 @@ from haloshard._compat import (
     functional_broadcast,
     in_backward,
     maybe_run_for_local_tensor,
+    object_collective_device,
     reduce_scatter_single,
     resolve_process_group,
     wait_tensor,
@@ -470,6 +471,21 @@ _ROW_WIDTH = 32
 _TAGS: dict[int, str] = {}  # tag -> exchange name, for the message
 
 
+_METADATA_DEVICES: weakref.WeakKeyDictionary[dist.ProcessGroup, torch.device] = (
+    weakref.WeakKeyDictionary())
+
+
+def metadata_device(pg: dist.ProcessGroup) -> torch.device:
+    """Where `pg` takes a metadata row: the CPU if it has a CPU backend (gloo, or
+    "cpu:gloo,cuda:nccl"), else this rank's current accelerator (`init_process_group("nccl")`
+    alone takes CUDA tensors only)."""
+    if pg not in _METADATA_DEVICES:
+        kind = object_collective_device(pg)
+        _METADATA_DEVICES[pg] = (torch.device("cpu") if kind == "cpu" else
+                                 torch.device(kind, torch.accelerator.current_device_index()))
+    return _METADATA_DEVICES[pg]
+
+
 def gather_ints(values: torch.Tensor, group: Group, what: str = "halo metadata exchange"
                 ) -> list[list[int]]:
     """All-gather one small int64 vector per rank; every rank gets every rank's row.
@@ -488,8 +504,9 @@ def gather_ints(values: torch.Tensor, group: Group, what: str = "halo metadata e
     def run() -> list[int]:
         opens(group)
         if is_eager(row):
-            out = row.new_empty(group.size * width)
-            dist_all_gather_single(out, row, group=group.pg)
+            moved = row.to(metadata_device(group.pg))
+            out = moved.new_empty(group.size * width)
+            dist_all_gather_single(out, moved, group=group.pg)
             return out.tolist()
         return all_gather_single(row, 0, group.funcol_group).tolist()
 

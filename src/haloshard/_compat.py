@@ -271,3 +271,8 @@ def caller_frame() -> Any:
 
 # A process group by the name funcol and dynamo carry (`_comm`'s agreement while tracing).
 resolve_process_group = dist.distributed_c10d._resolve_process_group
+
+# The device type a group's small host-side collectives take ("cpu" where the group has a
+# CPU backend, else its accelerator's): a group made with `init_process_group("nccl")`
+# takes CUDA tensors only.
+object_collective_device = dist.distributed_c10d._get_object_coll_device

@@ -68,11 +68,11 @@ def per_rank(tensor: torch.Tensor) -> dict[int, torch.Tensor]:
         return {rank: tensor.detach().clone()}
 
 
-def seeded_randn(shape: Sequence[int], seed: int, dtype: torch.dtype = torch.float64
-                 ) -> torch.Tensor:
+def seeded_randn(shape: Sequence[int], seed: int, dtype: torch.dtype = torch.float64,
+                 device: torch.device | str | None = None) -> torch.Tensor:
     """A standard-normal tensor from its own generator, made once on one device (also
-    inside a simulated mesh), drawn in float64 and then cast, so every dtype sees the same
-    values."""
+    inside a simulated mesh), drawn in float64 on the CPU and then cast and moved to
+    `device`, so every dtype and device sees the same values."""
     with single_device():
         gen = torch.Generator().manual_seed(seed)
-        return torch.randn(tuple(shape), generator=gen, dtype=torch.float64).to(dtype)
+        return torch.randn(tuple(shape), generator=gen, dtype=torch.float64).to(device, dtype)

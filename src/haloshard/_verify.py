@@ -286,7 +286,7 @@ def _reference(model: nn.Module, full: torch.Tensor, run: Callable[[nn.Module, A
             if not isinstance(y, torch.Tensor):
                 raise HaloError(f"verify_plan needs one tensor out of the model, got "
                                 f"{type(y).__name__}; pass run= to pick it")
-            cotangent = seeded_randn(y.shape, seed, y.dtype)
+            cotangent = seeded_randn(y.shape, seed, y.dtype, y.device)
             (y * cotangent).sum().backward()
         grads = {n: p.grad for n, p in twin.named_parameters()}
     assert x.grad is not None

@@ -86,9 +86,11 @@ def assert_close_per_rank(
 
 @contextlib.contextmanager
 def simulated_mesh(
-    shape: int | Sequence[int], *, mesh_dim_names: Sequence[str] | None = None
+    shape: int | Sequence[int], *, mesh_dim_names: Sequence[str] | None = None,
+    device_type: str = "cpu",
 ) -> Iterator[DeviceMesh]:
-    """A CPU DeviceMesh of simulated ranks in this process, with real values.
+    """A DeviceMesh of simulated ranks in this process, with real values, on `device_type`
+    ("cpu", or "cuda": every simulated rank's tensors on the current GPU).
 
     Uses a `fake` process group (which moves no data by itself) under `LocalTensorMode`,
     which holds one tensor per rank and runs collectives for real. Inside, tensors built with
@@ -110,7 +112,7 @@ def simulated_mesh(
         )
     try:
         names = tuple(mesh_dim_names) if mesh_dim_names else None
-        mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+        mesh = init_device_mesh(device_type, dims, mesh_dim_names=names)
         with LocalTensorMode(world):
             yield mesh
     finally:
@@ -349,7 +351,7 @@ def module_reference(module: torch.nn.Module, full: torch.Tensor, seed: int
         twin = unhooked(module)
         x = full.clone().requires_grad_()
         y = twin(x)
-        gy = seeded_randn(y.shape, seed)
+        gy = seeded_randn(y.shape, seed, device=y.device)
         (y * gy).sum().backward()
         grads = [p.grad for p in twin.parameters()]
     assert x.grad is not None
@@ -415,7 +417,7 @@ def check_plan(
         twin = copy.deepcopy(model)
         x_ref = full.clone().requires_grad_()
         y_ref = (reference or (lambda m, t: m(t)))(twin, x_ref)
-        gy = seeded_randn(tuple(y_ref.shape), seed, full.dtype)
+        gy = seeded_randn(tuple(y_ref.shape), seed, full.dtype, full.device)
         (y_ref * gy).sum().backward()
     parallelize_module(model, mesh, plan)
     x, local = sharded(mesh, full)

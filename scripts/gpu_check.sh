@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The CUDA and NCCL checks on a GPU machine, in one run: tests/test_cuda.py (CUDA tensors on
+# simulated ranks; real NCCL processes, one per GPU, under "nccl" and "cpu:gloo,cuda:nccl"),
+# then 2 gloo processes on one GPU's CUDA tensors, then one GPU's VAE figures at a larger
+# size (`benchmarks.vae --device cuda`: the one-device call and diffusers' tiling).
+#
+#   scripts/gpu_check.sh [OUT_DIR]      logs go to OUT_DIR (default: a temp dir)
+#
+# Uses the machine's own python3 and torch (PYTHON= to pick another); diffusers and what it
+# needs beyond that image can come as wheels in .whl/ (installed to a temp target first).
+# HALOSHARD_ALLOW_TORCH=2.11 lowers the import-time floor for a machine whose only torch is
+# older than the supported range (eager paths only: torch.compile is not run here).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-$(mktemp -d)}
+python=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+mkdir -p "$out"
+
+{ nvidia-smi -L; "$python" -c "import sys, torch; print(sys.version.split()[0], torch.__version__,
+'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name())"
+} 2>&1 | tee "$out/machine.txt"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/haloshard-site .whl/*.whl && export PYTHONPATH=/tmp/haloshard-site
+fi
+if [[ -n "${HALOSHARD_ALLOW_TORCH:-}" ]]; then
+    sed -i "s/^SUPPORTED_TORCH = ((2, [0-9]*)/SUPPORTED_TORCH = ((${HALOSHARD_ALLOW_TORCH/./, })/" \
+        src/haloshard/_compat.py
+fi
+export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+status=0
+timeout 300 "$python" -m pytest -q -p no:cacheprovider -rs -s tests/test_cuda.py 2>&1 \
+    | tee "$out/test_cuda.log" || status=1
+HALOSHARD_TEST_WORLD=2 HALOSHARD_TEST_BACKENDS=gloo timeout 120 "$python" -m pytest -q \
+    -p no:cacheprovider -s tests/test_cuda.py -k real_ranks 2>&1 | tee "$out/gloo_cuda.log"
+timeout 240 "$python" -m benchmarks.vae --device cuda --models hunyuan ltx --modes decode \
+    encode --ranks 1 --latent-frames 8 --size 512 --approx --out "$out/vae_cuda.json" 2>&1 \
+    | tee "$out/vae_cuda.log"
+exit $status
