@@ -29,8 +29,8 @@ from haloshard._layer_styles import GroupNormParallel
 from haloshard._layout import lack, shard_size_and_offset, shard_sizes
 from haloshard._masked_attention import frame_attention
 from haloshard._norms import group_norm
-from haloshard._site import dtensor_site, has_spare, pick, rewrap, site_of
-from haloshard._specs import plan_windows
+from haloshard._site import Site, dtensor_site, has_spare, pick, rewrap, site_of
+from haloshard._specs import WindowPlan, plan_windows
 from haloshard.integrations.diffusers._base import (
     DimStyle,
     Rule,
@@ -115,7 +115,31 @@ def _direct_upsample(module: nn.Module) -> bool:
             and conv.dilation[0] == 1 and pads[0] == pads[1] and pads[2] == pads[3])
 
 
-class _UpsampleForward(HaloForward):
+class _IndexedUpsample(HaloForward):
+    """What both upsampler forwards below share: the input's site, its window plan and the
+    exchanged window, handed to `indexed` (with whether the ranks are simulated: then every
+    rank runs the longest chunk's window); the module's own window path runs instead when
+    another dim is sharded too, arguments come besides the input, an enclosing block left
+    spare slices, or a rank has no outputs."""
+
+    def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        site = site_of(x, self.annotation.dim, self.mesh, several=True)
+        world, stencil = site.mesh.size(site.axis), self.annotation.stencil
+        if (site.others or args or kwargs or has_spare(site.spare)
+                or min(shard_sizes(stencil.out_length(site.length), world)) == 0):
+            return super().sharded(x, *args, **kwargs)
+        uniform = enabled_local_tensor_mode() is not None
+        plan = plan_windows(stencil, site.length, world, uniform=uniform)
+        # passed on, not kept: `indexed` frees the window once it has gathered from it
+        return self.indexed(site, plan, halo_window(site, plan, self.annotation,
+                                                    self.reuse(site)), uniform)
+
+    def indexed(self, site: Site, plan: WindowPlan, window: torch.Tensor, uniform: bool
+                ) -> Any:
+        raise NotImplementedError
+
+
+class _UpsampleForward(_IndexedUpsample):
     """`HunyuanVideoUpsampleCausal3D` on `Shard(T)` without running its forward on a
     window: the up-frames this rank's outputs read (its `span - 1` frames of history
     included, replicate-padded on H and W) are gathered from the exchanged input window in
@@ -124,18 +148,11 @@ class _UpsampleForward(HaloForward):
     to `span + factor - 1` more frames than this rank outputs, then drops those outputs.
     With H sharded as well, or a rank without outputs, the window path runs."""
 
-    def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        site = site_of(x, self.annotation.dim, self.mesh, several=True)
-        world = site.mesh.size(site.axis)
-        stencil = self.annotation.stencil
+    def indexed(self, site: Site, plan: WindowPlan, window: torch.Tensor, uniform: bool
+                ) -> Any:
+        stencil, world = self.annotation.stencil, site.mesh.size(site.axis)
         assert isinstance(stencil, UpCausalStencil)
         out_length = stencil.out_length(site.length)
-        if (site.others or args or kwargs or has_spare(site.spare)
-                or min(shard_sizes(out_length, world)) == 0):
-            return super().sharded(x, *args, **kwargs)
-        uniform = enabled_local_tensor_mode() is not None
-        plan = plan_windows(stencil, site.length, world, uniform=uniform)
-        window = halo_window(site, plan, self.annotation, self.reuse(site))
         rank, m = site.mesh.get_local_rank(site.axis), self.module
         (_, _, h, w), wrapper = window.shape[1:], m.conv
         pads = wrapper.time_causal_padding
@@ -166,7 +183,7 @@ def _up_frames(rank: int, length: int, world: int, stencil: UpCausalStencil, uni
                        0) - i0
 
 
-class _RowsUpsampleForward(HaloForward):
+class _RowsUpsampleForward(_IndexedUpsample):
     """`HunyuanVideoUpsampleCausal3D` with H sharded (T whole), without running its forward
     on a window of rows: the up-rows this rank's outputs read (the conv's reach on each
     side, replicate beyond the global ends) are gathered from the exchanged window in one
@@ -176,17 +193,11 @@ class _RowsUpsampleForward(HaloForward):
     copy, each `factor * reach` rows taller than what this rank reads, then drops those
     outputs. With T sharded as well, or a rank without outputs, the window path runs."""
 
-    def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        site = site_of(x, self.annotation.dim, self.mesh, several=True)
-        world, stencil = site.mesh.size(site.axis), self.annotation.stencil
+    def indexed(self, site: Site, plan: WindowPlan, window: torch.Tensor, uniform: bool
+                ) -> Any:
+        stencil, world = self.annotation.stencil, site.mesh.size(site.axis)
         assert isinstance(stencil, RepeatConvStencil)
         out_length = stencil.out_length(site.length)
-        if (site.others or args or kwargs or has_spare(site.spare)
-                or min(shard_sizes(out_length, world)) == 0):
-            return super().sharded(x, *args, **kwargs)
-        uniform = enabled_local_tensor_mode() is not None
-        plan = plan_windows(stencil, site.length, world, uniform=uniform)
-        window = halo_window(site, plan, self.annotation, self.reuse(site))
         rank, m = site.mesh.get_local_rank(site.axis), self.module
         pads, device = m.conv.time_causal_padding, window.device
         # every frame is on this rank: its up-frames as one rank of one computes them
