@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from haloshard import HaloError, frame_attention
+from haloshard._layout import shard_sizes
 from haloshard.testing import (
     assert_close_per_rank,
     counted_collectives,
@@ -93,3 +94,53 @@ def test_frame_attention_steady_state(gloo: Callable[[int], Any]) -> None:
         assert first == {"all_gather_single (metadata)": 1, "all_gather_single": 1}, first
         assert later == {"all_gather_single": 1}, later  # K and V in one gather, no metadata
         assert max(got["errors"]) <= 1e-12, got
+
+
+def one_token_inference(frames: int, causal: bool, dtype: torch.dtype) -> dict[str, Any]:
+    """Inference with one token per frame (Mochi's per-pixel attention along T): each K/V
+    block through CPU's fused kernel, merged by its log-sum-exp, on q, k, v that are strided
+    views (heads split off a linear's output, as the Mochi plan passes them)."""
+    import haloshard._masked_attention as masked
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = worker_mesh(world)
+    # (B, pixels, T, heads * E) -> (B, pixels, heads, T, 1, E) views
+    qkv = [seeded_randn((2, 3, frames, 2 * 4), seed, dtype) for seed in range(3)]
+    views = [x.unflatten(-1, (2, 4)).transpose(-3, -2).unsqueeze(-2) for x in qkv]
+    with single_device():
+        out = reference(*(x.flatten(0, 1).to(torch.float64) for x in views), causal)[0]
+    calls = []
+    fused = masked.sdpa_flash_cpu
+    masked.sdpa_flash_cpu = lambda *a, **k: calls.append(1) or fused(*a, **k)
+    try:
+        local = [shard(x, 2, world, rank) for x in qkv]
+        heads = [x.unflatten(-1, (2, 4)).transpose(-3, -2).unsqueeze(-2) for x in local]
+        with torch.no_grad():
+            y = frame_attention(*heads, mesh, global_length=frames, causal=causal)
+    finally:
+        masked.sdpa_flash_cpu = fused
+    expected = shard(out.unflatten(0, (2, 3)), 3, world, rank).to(dtype)
+    return {"shape": tuple(y.shape) == tuple(heads[0].shape), "calls": len(calls),
+            "error": (y - expected).abs().max().item() if y.numel() else 0.0}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(("frames", "causal", "dtype"), [
+    (5, True, torch.float64),  # 2, 2, 1 frames: causal within the own block, earlier seen
+    (5, False, torch.float64),
+    (2, True, torch.float64),  # 1, 1, 0: a rank without frames
+    (7, True, torch.float32),
+])
+def test_one_token_inference_gloo(gloo: Callable[[int], Any], frames: int, causal: bool,
+                                  dtype: torch.dtype) -> None:
+    """Float64 at 1e-12 as above; float32 at 1e-6 (the fused kernel's float32 sums, merged
+    across blocks, against float64 on one device; a wrong key is O(0.1))."""
+    rows = gloo(3).run(one_token_inference, frames, causal, dtype, timeout=120)
+    sizes = shard_sizes(frames, 3)
+    for rank, got in enumerate(rows):
+        assert got["shape"], got
+        assert got["error"] <= (1e-12 if dtype == torch.float64 else 1e-6), (rank, got)
+        # the blocks this rank's queries see: its own, and (causal) only the earlier ones
+        seen = [s for s in range(3) if sizes[s] and sizes[rank]
+                and (not causal or s <= rank)]
+        assert got["calls"] == len(seen), (rank, got, seen)

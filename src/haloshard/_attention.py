@@ -381,11 +381,12 @@ def _block_buffer(fronts: list[torch.Tensor], chunk: int, status: int | None
             pieces.append(front.new_full((1,), status))
         return torch.cat(pieces)
     shape = (chunk, *fronts[0].shape[1:-1], sum(f.shape[-1] for f in fronts))
-    flat = fronts[0].new_zeros(math.prod(shape) + (status is not None))  # zeros: padding
+    flat = fronts[0].new_empty(math.prod(shape) + (status is not None))
     block, at = flat.narrow(0, 0, math.prod(shape)).view(shape), 0
     for f in fronts:
         block.narrow(0, 0, f.shape[0]).narrow(-1, at, f.shape[-1]).copy_(f)
         at += f.shape[-1]
+    block.narrow(0, fronts[0].shape[0], chunk - fronts[0].shape[0]).zero_()  # the padding
     if status is not None:
         flat[-1] = status
     return flat

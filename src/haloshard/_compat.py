@@ -276,3 +276,7 @@ resolve_process_group = dist.distributed_c10d._resolve_process_group
 # CPU backend, else its accelerator's): a group made with `init_process_group("nccl")`
 # takes CUDA tensors only.
 object_collective_device = dist.distributed_c10d._get_object_coll_device
+
+# CPU's fused (flash) attention kernel, the one `F.scaled_dot_product_attention` runs on CPU,
+# which also returns each query's log-sum-exp: blocks of keys attended apart merge exactly.
+sdpa_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -23,7 +23,11 @@ import torch.nn.functional as F
 
 from haloshard._attention import Reuse, blocks_many, gather_many
 from haloshard._comm import Group, GroupLike, resolve_group
-from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
+from haloshard._compat import (
+    enabled_local_tensor_mode,
+    maybe_run_for_local_tensor,
+    sdpa_flash_cpu,
+)
 from haloshard._exchange import length_problem
 from haloshard._layout import lack, shard_size_and_offset, shard_sizes
 from haloshard._tracing import surfaces_errors
@@ -155,6 +159,9 @@ def _attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     """
     s = scale if scale is not None else q.shape[-1] ** -0.5
     per_frame = q.shape[-2]
+    if (per_frame == 1 and not padded and isinstance(grp.rank, int) and q.ndim >= 5
+            and q.device.type == "cpu" and not (torch.is_grad_enabled() and q.requires_grad)):
+        return _attend_tokens(q, k, v, group, grp, length, causal, s, reuse)
     rows = shard_sizes(length, grp.size)[0] if padded else q.shape[-3]
     queries = q.transpose(-3, -2).contiguous().flatten(-3, -2)  # (..., S * rows, E)
     # low-precision inputs: the running statistics and sums in float32, as SDPA's kernels
@@ -177,6 +184,41 @@ def _attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     del state
     out = (out / total if out.requires_grad else out.div_(total)).to(q.dtype)
     return out.unflatten(-2, (per_frame, rows)).transpose(-3, -2)
+
+
+def _attend_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike,
+                   grp: Group, length: int, causal: bool, scale: float, reuse: Reuse | None
+                   ) -> torch.Tensor:
+    """`_attend_blocks` for one token per frame (Mochi's per-pixel attention along T) on
+    eager CPU ranks, without a gradient for q: each K/V block through CPU's fused attention
+    kernel, as `F.scaled_dot_product_attention` runs on one device (causal within this
+    rank's own block, whose frames start where its queries do; earlier blocks wholly
+    seen), merged by the log-sum-exp it returns (exact up to rounding). q, k, v may be
+    strided views (heads split off a linear's output): nothing is copied into rows."""
+    n = q.shape[-3]
+    queries = q.squeeze(-2).flatten(0, -4)  # (N, heads, rows, E): a view
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    out = top = None
+    for src, (k_b, v_b) in blocks_many((k, v), k.ndim - 3, group, global_length=length,
+                                       reuse=reuse):
+        if _unseen(grp.rank, src, length, grp.size, n, causal):
+            continue  # every rank still joined the block's broadcast
+        size = shard_size_and_offset(length, grp.size, src)[0]  # the rest is padding
+        keys, values = (t.narrow(-3, 0, size).squeeze(-2).flatten(0, -4) for t in (k_b, v_b))
+        o_b, lse_b = sdpa_flash_cpu(queries, keys, values, 0.0, causal and src == grp.rank,
+                                    scale=scale)
+        del k_b, v_b, keys, values
+        if out is None or top is None:
+            out, top = o_b.to(dtype), lse_b
+            continue
+        merged = torch.logaddexp(top, lse_b)
+        out = out.mul_(torch.exp(top - merged).unsqueeze(-1)).add_(
+            o_b.to(dtype) * torch.exp(lse_b - merged).unsqueeze(-1))
+        top = merged
+        del o_b, lse_b
+    if out is None:  # no rows here (a rank of no frames): its empty output
+        out = queries.new_zeros(queries.shape, dtype=dtype)
+    return out.to(q.dtype).unflatten(0, q.shape[:-4]).unsqueeze(-2)
 
 
 def _unseen(rank: int | torch.SymInt, src: int, length: int, world: int, rows: int,

@@ -212,9 +212,9 @@ def _attend_pixels(attn: nn.Module, tokens: torch.Tensor, group: Any, length: in
     attended."""
     def heads(lin: nn.Module, norm: nn.Module | None) -> torch.Tensor:
         t = lin(tokens)
-        # heads before frames in memory: frame_attention's query rows need no copy
+        # a view, heads split off the linear's output: frame_attention's fused kernel
+        # (inference) reads it as it is; its other paths copy what they need
         t = t.unflatten(-1, (attn.heads, t.shape[-1] // attn.heads)).transpose(-3, -2)
-        t = t.contiguous()
         if norm is not None:  # an LpNorm over each token's E (`_check_mochi_attention`): its
             # dim (-1 or 3) names E in the processor's 4-D layout, not in these 6-D rows
             t = F.normalize(t, p=norm.p, dim=-1, eps=norm.eps)
