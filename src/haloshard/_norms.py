@@ -206,10 +206,6 @@ def _local_stats(x: torch.Tensor, num_groups: int, seg: Segments | None = None
         return _segment_stats(xf, num_groups, seg)
     within = tuple(range(2, x.ndim))
     per_channel = math.prod(x.shape[2:])
-    if (type(xf) is torch.Tensor and not torch.compiler.is_compiling() and xf.ndim > 2
-            and isinstance(per_channel, int) and per_channel > 0 and xf.is_contiguous()
-            and (xf.shape[0] >= _BLOCKS or xf.shape[0] == 1)):
-        return _kernel_stats(xf, num_groups, per_channel)
     mean_c = xf.sum(within) / torch.sym_max(per_channel, 1)
     at = mean_c.view(*mean_c.shape, *([1] * len(within)))
     if x.ndim > 2 and isinstance(per_channel, int) and per_channel > 0:
@@ -219,32 +215,8 @@ def _local_stats(x: torch.Tensor, num_groups: int, seg: Segments | None = None
     return _group_stats(mean_c, m2_c, per_channel, num_groups)
 
 
-# blocks of dim 2 per chunk in `_squared_deviations`, and of rows (or groups) in
-# `_kernel_stats`
+# blocks of dim 2 per chunk in `_squared_deviations`
 _BLOCKS = 16
-
-
-def _kernel_stats(xf: torch.Tensor, num_groups: int, per_channel: int) -> torch.Tensor:
-    """`_local_stats` of a dense `(B, C, ...)` chunk by torch's own GroupNorm kernel, the one
-    a device's GroupNorm runs: one pass for each (row, group)'s mean and variance (the
-    reductions written out take four: a sum, then the squared deviations block by block).
-    Rows and groups are independent, so it runs on blocks of rows (of groups for one row):
-    its normalised output, dropped, is a block's. Variance as `rstd ** -2` with eps 0
-    (exact to a few ulps; a constant group's infinite rstd gives 0)."""
-    rows, c = xf.shape[:2]
-    per_group = c // num_groups
-    along = 0 if rows > 1 else 1
-    step = -(-rows // _BLOCKS) if along == 0 else per_group * -(-num_groups // _BLOCKS)
-    means, rstds = [], []
-    for block in xf.split(step, along):
-        groups = num_groups if along == 0 else block.shape[1] // per_group
-        _, mean, rstd = torch.native_group_norm(block, None, None, block.shape[0],
-                                                block.shape[1], per_channel, groups, 0.0)
-        means.append(mean.view(block.shape[0], groups))
-        rstds.append(rstd.view(block.shape[0], groups))
-    mean, rstd = torch.cat(means, along), torch.cat(rstds, along)
-    count = mean.new_full(mean.shape, float(per_channel * per_group))
-    return torch.stack([count, mean, rstd.pow(-2) * count])
 
 
 def _squared_deviations(xf: torch.Tensor, mean: torch.Tensor, within: tuple[int, ...]
