@@ -20,11 +20,13 @@ from __future__ import annotations
 import copy
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,6 +50,10 @@ from haloshard.testing import (
     simulated_mesh,
     single_device,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not installed
+    sys.path.insert(0, str(ROOT))
 
 DEVICE = os.environ.get("HALOSHARD_TEST_DEVICE",
                         "cuda" if torch.cuda.is_available() else "cpu")
@@ -80,18 +86,12 @@ def quickstart_model(dtype: torch.dtype = torch.float64) -> nn.Module:
 
 
 def hunyuan_decoder() -> nn.Module:
-    """A tiny HunyuanVideo VAE decoder (causal convs, GroupNorm, mid-block attention)."""
-    from diffusers import AutoencoderKLHunyuanVideo
+    """The tiny HunyuanVideo VAE decoder `benchmarks.vae` runs (causal convs, GroupNorm,
+    mid-block attention), float64 on DEVICE."""
+    from benchmarks import vae_models
 
     with single_device():
-        torch.manual_seed(0)
-        vae = AutoencoderKLHunyuanVideo(
-            in_channels=3, out_channels=3, latent_channels=4,
-            down_block_types=("HunyuanVideoDownBlock3D",) * 3,
-            up_block_types=("HunyuanVideoUpBlock3D",) * 3,
-            block_out_channels=(8, 8, 8), layers_per_block=1, norm_num_groups=2,
-            spatial_compression_ratio=4, temporal_compression_ratio=4)
-        return vae.to(DEVICE, torch.float64).eval().decoder
+        return vae_models.build("hunyuan", "tiny").to(DEVICE, torch.float64).decoder
 
 
 # --- simulated ranks (LocalTensorMode over a fake group), tensors on DEVICE ---
