@@ -236,7 +236,7 @@ class HaloForward(ShardedForward):
         the window with its padding removed along each dim; each dim keeps this rank's
         outputs. Along the other dims the stencil is `across`'s; a dim the layer treats
         slice by slice takes no halo. Agreed as one dim is; a rank that raises along one axis
-        still joins the later axes' exchanges, flagged (`_fail_later_axes`)."""
+        still joins the later axes' exchanges, flagged (`fail_later_axes`)."""
         if active_boundaries() is not None:
             raise HaloError("packed documents (haloshard.packed) need an input sharded on "
                             f"one dim, got one sharded on dims "
@@ -257,7 +257,7 @@ class HaloForward(ShardedForward):
                 x = halo_window(replace(site, local=x, axis=axis, dim=d), plan,
                                 Annotation(None, d, stencil), reuse)
             except HaloError:
-                _fail_later_axes(site, plans[i + 1 :], stencils[i + 1 :], reuse)
+                fail_later_axes(site, plans[i + 1 :], stencils[i + 1 :], reuse)
                 raise
         y = self.run_across(x, across, *args, **kwargs)
         if isinstance(y, torch.Tensor) and self.annotation.spec is not None:
@@ -345,7 +345,7 @@ class HaloForward(ShardedForward):
             _INSIDE.reset(token)
 
 
-def _fail_later_axes(site: Site, plans: list[tuple[int, int, WindowPlan]],
+def fail_later_axes(site: Site, plans: list[tuple[int, int, WindowPlan]],
                      stencils: list[Stencil], reuse: Reuse) -> None:
     """This rank raised in an exchange along one mesh axis: join the exchanges along the
     later axes with its error flagged (the agreed move with placeholder rows, or the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from haloshard._forward import (
     install,
     names_errors,
 )
-from haloshard._halo_forward import HaloForward, halo_window
+from haloshard._halo_forward import HaloForward, fail_later_axes, halo_window
 from haloshard._layer_styles import GroupNormParallel
 from haloshard._layout import lack, shard_size_and_offset, shard_sizes
 from haloshard._masked_attention import frame_attention
@@ -117,26 +118,60 @@ def _direct_upsample(module: nn.Module) -> bool:
 
 class _IndexedUpsample(HaloForward):
     """What both upsampler forwards below share: the input's site, its window plan and the
-    exchanged window, handed to `indexed` (with whether the ranks are simulated: then every
-    rank runs the longest chunk's window); the module's own window path runs instead when
-    another dim is sharded too, arguments come besides the input, an enclosing block left
-    spare slices, or a rank has no outputs."""
+    exchanged window (each sharded dim's halo in turn), handed to `indexed` (with whether
+    the ranks are simulated: then every rank runs the longest chunk's window); the module's
+    own window path runs instead when `indexes` refuses the input's sharded dims, arguments
+    come besides the input, an enclosing block left spare slices, or a rank has no
+    outputs."""
 
     def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         site = site_of(x, self.annotation.dim, self.mesh, several=True)
-        world, stencil = site.mesh.size(site.axis), self.annotation.stencil
-        if (site.others or args or kwargs or has_spare(site.spare)
-                or min(shard_sizes(stencil.out_length(site.length), world)) == 0):
+        steps = [(site.axis, site.dim, self.annotation.stencil),
+                 *((a, d, self.stencils.get(d)) for a, d in site.others)]
+        if (args or kwargs or has_spare(site.spare) or not self.indexes(site)
+                or any(st is None or min(shard_sizes(st.out_length(site.shape[d]),
+                                                     site.mesh.size(a))) == 0
+                       for a, d, st in steps)):
             return super().sharded(x, *args, **kwargs)
-        uniform = enabled_local_tensor_mode() is not None
-        plan = plan_windows(stencil, site.length, world, uniform=uniform)
-        # passed on, not kept: `indexed` frees the window once it has gathered from it
-        return self.indexed(site, plan, halo_window(site, plan, self.annotation,
-                                                    self.reuse(site)), uniform)
+        uniform, reuse = enabled_local_tensor_mode() is not None, self.reuse(site)
+        plans = [(a, d, plan_windows(st, site.shape[d], site.mesh.size(a), uniform=uniform))
+                 for a, d, st in steps]
+        # each dim's halo in turn, as `HaloForward.several` (the later over the earlier)
+        window = site.local
+        for i, ((a, d, plan), (_, _, st)) in enumerate(zip(plans, steps, strict=True)):
+            try:
+                window = halo_window(replace(site, local=window, axis=a, dim=d), plan,
+                                     Annotation(None, d, st), reuse)
+            except HaloError:
+                fail_later_axes(site, plans[i + 1 :], [t for _, _, t in steps[i + 1 :]],
+                                 reuse)
+                raise
+        # handed over in a list `indexed` empties, and dropped here: the window is freed
+        # once gathered from, not held by this frame through the conv
+        taken = [window]
+        del window
+        return self.indexed(site, plans, taken, uniform)
 
-    def indexed(self, site: Site, plan: WindowPlan, window: torch.Tensor, uniform: bool
-                ) -> Any:
+    def indexes(self, site: Site) -> bool:
+        """Whether `indexed` computes this input's outputs: one sharded dim."""
+        return not site.others
+
+    def indexed(self, site: Site, plans: list[tuple[int, int, WindowPlan]],
+                window: list[torch.Tensor], uniform: bool) -> Any:
         raise NotImplementedError
+
+
+def _own(y: torch.Tensor, site: Site, plans: list[tuple[int, int, WindowPlan]],
+         uniform: bool) -> Any:
+    """An indexed upsampler's output, exactly this rank's: simulated ranks computed the
+    longest chunk's along each dim and keep their own; a DTensor with the global output
+    lengths of every sharded dim."""
+    shape = list(site.shape)
+    for axis, d, plan in plans:
+        if uniform:
+            y = y.narrow(d, 0, pick(site.mesh.get_local_rank(axis), plan.out_len)[0])
+        shape[d] = plan.out_length
+    return rewrap(y, replace(site, shape=tuple(shape)), site.dim, shape[site.dim])
 
 
 class _UpsampleForward(_IndexedUpsample):
@@ -146,25 +181,33 @@ class _UpsampleForward(_IndexedUpsample):
     one index, then its conv runs on them with no padding. The module's own forward on a
     window builds the repeated frames, their concatenation and a padded copy, each for up
     to `span + factor - 1` more frames than this rank outputs, then drops those outputs.
-    With H sharded as well, or a rank without outputs, the window path runs."""
+    With H sharded as well (T and H), the up-rows come from the rows' window as on H alone
+    (`_RowsUpsampleForward`); a rank without outputs takes the window path."""
 
-    def indexed(self, site: Site, plan: WindowPlan, window: torch.Tensor, uniform: bool
-                ) -> Any:
+    def indexes(self, site: Site) -> bool:
+        return not site.others or (len(site.others) == 1 and site.others[0][1] == 3
+                                   and isinstance(self.stencils.get(3), RepeatConvStencil))
+
+    def indexed(self, site: Site, plans: list[tuple[int, int, WindowPlan]],
+                window: list[torch.Tensor], uniform: bool) -> Any:
         stencil, world = self.annotation.stencil, site.mesh.size(site.axis)
         assert isinstance(stencil, UpCausalStencil)
-        out_length = stencil.out_length(site.length)
-        rank, m = site.mesh.get_local_rank(site.axis), self.module
-        (_, _, h, w), wrapper = window.shape[1:], m.conv
-        pads = wrapper.time_causal_padding
-        frames = _up_frames(rank, site.length, world, stencil, uniform, window.device)
-        rows = _up_rows(h, int(m.upsample_factor[1]), pads[2], window.device)
-        cols = _up_rows(w, int(m.upsample_factor[2]), pads[0], window.device)
-        up = _gathered(window, frames, rows, cols)
-        del window
-        y = wrapper.conv(up)
-        if uniform:  # every simulated rank ran the longest chunk's frames: keep its own
-            y = y.narrow(self.annotation.dim, 0, pick(rank, plan.out_len)[0])
-        return rewrap(y, site, self.annotation.dim, out_length)
+        rank, m, wrapper = site.mesh.get_local_rank(site.axis), self.module, self.module.conv
+        pads, win = wrapper.time_causal_padding, window.pop()
+        (_, _, h, w), device = win.shape[1:], win.device
+        frames = _up_frames(rank, site.length, world, stencil, uniform, device)
+        if len(plans) == 1:  # H whole
+            rows = _up_rows(h, int(m.upsample_factor[1]), pads[2], device)
+        else:  # H sharded on the other axis: the up-rows this rank's output rows read
+            axis, d, _ = plans[1]
+            rows_stencil = self.stencils[d]
+            assert isinstance(rows_stencil, RepeatConvStencil)
+            rows = _window_rows(site.mesh.get_local_rank(axis), site.shape[d],
+                                site.mesh.size(axis), rows_stencil, uniform, device)
+        cols = _up_rows(w, int(m.upsample_factor[2]), pads[0], device)
+        up = _gathered(win, frames, rows, cols)
+        del win
+        return _own(wrapper.conv(up), site, plans, uniform)
 
 
 @maybe_run_for_local_tensor
@@ -193,24 +236,20 @@ class _RowsUpsampleForward(_IndexedUpsample):
     copy, each `factor * reach` rows taller than what this rank reads, then drops those
     outputs. With T sharded as well, or a rank without outputs, the window path runs."""
 
-    def indexed(self, site: Site, plan: WindowPlan, window: torch.Tensor, uniform: bool
-                ) -> Any:
+    def indexed(self, site: Site, plans: list[tuple[int, int, WindowPlan]],
+                window: list[torch.Tensor], uniform: bool) -> Any:
         stencil, world = self.annotation.stencil, site.mesh.size(site.axis)
         assert isinstance(stencil, RepeatConvStencil)
-        out_length = stencil.out_length(site.length)
-        rank, m = site.mesh.get_local_rank(site.axis), self.module
-        pads, device = m.conv.time_causal_padding, window.device
+        rank, m, win = site.mesh.get_local_rank(site.axis), self.module, window.pop()
+        pads, device = m.conv.time_causal_padding, win.device
         # every frame is on this rank: its up-frames as one rank of one computes them
         time = UpCausalStencil(int(m.upsample_factor[0]), pads[4] + 1)
-        frames = _up_frames(0, window.shape[2], 1, time, False, device)
+        frames = _up_frames(0, win.shape[2], 1, time, False, device)
         rows = _window_rows(rank, site.length, world, stencil, uniform, device)
-        cols = _up_rows(window.shape[4], int(m.upsample_factor[2]), pads[0], device)
-        up = _gathered(window, frames, rows, cols)
-        del window
-        y = m.conv.conv(up)
-        if uniform:  # every simulated rank ran the longest chunk's rows: keep its own
-            y = y.narrow(3, 0, pick(rank, plan.out_len)[0])
-        return rewrap(y, site, 3, out_length)
+        cols = _up_rows(win.shape[4], int(m.upsample_factor[2]), pads[0], device)
+        up = _gathered(win, frames, rows, cols)
+        del win
+        return _own(m.conv.conv(up), site, plans, uniform)
 
 
 @maybe_run_for_local_tensor
