@@ -236,14 +236,14 @@ class HaloForward(ShardedForward):
         the window with its padding removed along each dim; each dim keeps this rank's
         outputs. Along the other dims the stencil is `across`'s; a dim the layer treats
         slice by slice takes no halo. Agreed as one dim is; a rank that raises along one axis
-        still joins the later axes' exchanges, flagged (`fail_later_axes`)."""
+        still joins the later axes' exchanges, flagged (`halo_windows`)."""
         if active_boundaries() is not None:
             raise HaloError("packed documents (haloshard.packed) need an input sharded on "
                             f"one dim, got one sharded on dims "
                             f"{[site.dim, *(d for _, d in site.others)]}")
         across = {d: self.across(d, site.local.ndim) for _, d in site.others}
         reuse, uniform = self.reuse(site), enabled_local_tensor_mode() is not None
-        x, plans, stencils = site.local, [], []
+        plans, stencils = [], []
         for axis, d in ((site.axis, site.dim), *site.others):
             found = across.get(d)
             stencil = self.annotation.stencil if d == site.dim else found and found[0]
@@ -252,13 +252,7 @@ class HaloForward(ShardedForward):
             plan = plan_windows(stencil, site.shape[d], site.mesh.size(axis), uniform=uniform)
             plans.append((axis, d, plan))
             stencils.append(stencil)
-        for i, ((axis, d, plan), stencil) in enumerate(zip(plans, stencils, strict=True)):
-            try:
-                x = halo_window(replace(site, local=x, axis=axis, dim=d), plan,
-                                Annotation(None, d, stencil), reuse)
-            except HaloError:
-                fail_later_axes(site, plans[i + 1 :], stencils[i + 1 :], reuse)
-                raise
+        x = halo_windows(site, plans, stencils, reuse)
         y = self.run_across(x, across, *args, **kwargs)
         if isinstance(y, torch.Tensor) and self.annotation.spec is not None:
             sizes = tuple(n + z for n, z in zip(plans[0][2].win_len, plans[0][2].win_zeros,
@@ -345,7 +339,24 @@ class HaloForward(ShardedForward):
             _INSIDE.reset(token)
 
 
-def fail_later_axes(site: Site, plans: list[tuple[int, int, WindowPlan]],
+def halo_windows(site: Site, plans: list[tuple[int, int, WindowPlan]],
+                 stencils: list[Stencil], reuse: Reuse) -> torch.Tensor:
+    """The chunk's window along each planned `(mesh axis, dim)` in turn, the later exchange
+    over the earlier one's window (so it also moves the corners a kernel reads from its
+    diagonal neighbour). A rank that raises along one axis still joins the later axes'
+    exchanges, flagged (`_fail_later_axes`), so their peers raise at once too."""
+    x = site.local
+    for i, ((axis, d, plan), stencil) in enumerate(zip(plans, stencils, strict=True)):
+        try:
+            x = halo_window(replace(site, local=x, axis=axis, dim=d), plan,
+                            Annotation(None, d, stencil), reuse)
+        except HaloError:
+            _fail_later_axes(site, plans[i + 1 :], stencils[i + 1 :], reuse)
+            raise
+    return x
+
+
+def _fail_later_axes(site: Site, plans: list[tuple[int, int, WindowPlan]],
                      stencils: list[Stencil], reuse: Reuse) -> None:
     """This rank raised in an exchange along one mesh axis: join the exchanges along the
     later axes with its error flagged (the agreed move with placeholder rows, or the

@@ -25,7 +25,7 @@ from haloshard._forward import (
     install,
     names_errors,
 )
-from haloshard._halo_forward import HaloForward, fail_later_axes, halo_window
+from haloshard._halo_forward import HaloForward, halo_windows
 from haloshard._layer_styles import GroupNormParallel
 from haloshard._layout import lack, shard_size_and_offset, shard_sizes
 from haloshard._masked_attention import frame_attention
@@ -136,20 +136,9 @@ class _IndexedUpsample(HaloForward):
         uniform, reuse = enabled_local_tensor_mode() is not None, self.reuse(site)
         plans = [(a, d, plan_windows(st, site.shape[d], site.mesh.size(a), uniform=uniform))
                  for a, d, st in steps]
-        # each dim's halo in turn, as `HaloForward.several` (the later over the earlier)
-        window = site.local
-        for i, ((a, d, plan), (_, _, st)) in enumerate(zip(plans, steps, strict=True)):
-            try:
-                window = halo_window(replace(site, local=window, axis=a, dim=d), plan,
-                                     Annotation(None, d, st), reuse)
-            except HaloError:
-                fail_later_axes(site, plans[i + 1 :], [t for _, _, t in steps[i + 1 :]],
-                                 reuse)
-                raise
-        # handed over in a list `indexed` empties, and dropped here: the window is freed
-        # once gathered from, not held by this frame through the conv
-        taken = [window]
-        del window
+        # handed over in a list `indexed` empties: the window is freed once gathered from,
+        # not held by this frame through the conv
+        taken = [halo_windows(site, plans, [st for _, _, st in steps], reuse)]
         return self.indexed(site, plans, taken, uniform)
 
     def indexes(self, site: Site) -> bool:
