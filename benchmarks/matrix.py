@@ -46,7 +46,11 @@ Columns, per shape (time over the floor's):
 - `fixed ms`: the default's time minus the best plain exact formulation's (`exact`), in
   ms per step, paired round by round: what the library adds per step whatever the layer's
   size. The last default row (conv1d C8 T64) is tiny, its conv well under 1 ms: there this
-  column is the library's fixed cost per step (target: at most 1 ms).
+  column is the library's fixed cost per step (target: at most 1 ms);
+- `wrap ms`: what the step's own DTensor wrapping costs (the user's `from_local` of the
+  input and `to_local` of the output, forward and backward), measured alone around the
+  floor's conv: part of `fixed ms`, paid once per model step whatever its layers, not per
+  halo layer (`fixed ms - wrap ms` is the layer's own).
 
 The device follows the mesh: on a machine with GPUs (`--device cuda`) the same script runs on
 NCCL. Ratios, not times: absolute times on a 2-core VM vary by 3% or more between runs.
@@ -298,6 +302,13 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
     def floor() -> None:
         floor_layer(local.detach().requires_grad_()).float().sum().backward()
 
+    def floor_wrap() -> None:
+        """The floor inside the step's DTensor wrapping (`through`'s `from_local` and
+        `to_local`, forward and backward), with no layer of the library."""
+        leaf = local.detach().requires_grad_()
+        x = DTensor.from_local(leaf, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
+        floor_layer(x.to_local()).float().sum().backward()
+
     lengths = tuple(shard(full, 2, world, r).shape[2] for r in range(world))
     left, right = (spec.left, spec.right) if spec else (case.k // 2, case.k // 2)
     plan = exchange_plan(rank, lengths, left, right, "zeros")
@@ -342,7 +353,8 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
                                        msg=f"raw {name} differs on {case.name}")
 
     raw_steps = {f"raw {name}": raw_move(f) for name, f in raws.items()}
-    steps = {"floor": floor, "default": through(default), "overlap": through(overlap),
+    steps = {"floor": floor, "floor+wrap": floor_wrap, "default": through(default),
+             "overlap": through(overlap),
              "no overlap": through(no_overlap), "floor+move": floor_move, **raw_steps}
     for step in steps.values():  # untimed: plans, buffers, first collectives, the heap
         step()
@@ -419,7 +431,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'shape':<36} {'default':>8} {'overlap':>8} {'no ovl':>8} {'chose':>6} "
           f"{'chosen/best':>11} {'in limit':>8} {'dflt/chsn':>9} {'taps':>6} {'fl+mv':>6} "
           f"{'exact':>6} {'dflt/exact':>10} {'sent/halo':>10} {'meta':>5} {'peak/floor':>11} "
-          f"{'pk ovl':>7} {'pk xf':>6} {'pk exact':>8} {'limit':>6} {'fixed ms':>8}")
+          f"{'pk ovl':>7} {'pk xf':>6} {'pk exact':>8} {'limit':>6} {'fixed ms':>8} "
+          f"{'wrap ms':>7}")
     worst = worst_best = worst_fit = worst_exact = ("", 0.0)
     with GlooWorld(args.ranks, timeout=3600) as gloo:
         for case in cases:
@@ -463,7 +476,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{max(r['sent'] for r in ranks):>10.2f} "
                   f"{max(r['meta'] for r in ranks):>5} {peak:>11.3f} {peak_ovl:>7.3f} "
                   f"{peak_xf:>6.3f} {peak_exact:>8.3f} {limit:>6.3f} "
-                  f"{_fixed_ms(ranks, 'default', best_raw):>8.3f}")
+                  f"{_fixed_ms(ranks, 'default', best_raw):>8.3f} "
+                  f"{_fixed_ms(ranks, 'floor+wrap', 'floor'):>7.3f}")
     print(f"worst default / floor: {worst[1]:.3f} ({worst[0]}); worst chosen / best: "
           f"{worst_best[1]:.3f} ({worst_best[0]}); worst chosen / best within the memory "
           f"limit: {worst_fit[1]:.3f} ({worst_fit[0]}); worst default / best plain exact: "

@@ -47,7 +47,7 @@ from haloshard._compat import (
     wait_tensor,
 )
 from haloshard._errors import HaloError, raise_rejected
-from haloshard._tracing import runs_while_tracing
+from haloshard._tracing import planner_cache, runs_while_tracing
 
 GroupLike = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str]
 _T = TypeVar("_T")
@@ -346,31 +346,58 @@ class Pending:
         return self.tensor if self.flags is None else self.flags.unpack(self.tensor)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Flags:
-    """Where a flagged all-to-all's status elements sit: after each peer's rows."""
+    """Where a flagged all-to-all's rows and status elements sit in the buffers it sends and
+    receives: each peer's rows, then one status element. Built once per split plan and row
+    shape (`_flags`), with the status positions as index tensors per device."""
 
-    recv_splits: tuple[int, ...]
     row: tuple[int, ...]  # the shape of one row (a slice along the moved dim)
+    send_splits: list[int]  # elements to each peer, its status included
+    recv_splits: list[int]
+    send_rows: tuple[tuple[int, int], ...]  # (offset, rows) of each peer's rows
+    recv_rows: tuple[tuple[int, int], ...]
+    send_at: tuple[int, ...]  # offset of each peer's status element
+    recv_at: tuple[int, ...]
+    _index: dict[tuple[str, torch.device], torch.Tensor]
+
+    def index(self, which: str, device: torch.device) -> torch.Tensor:
+        """The status positions of the sent (`"send"`) or received buffer, on `device`."""
+        key = (which, device)
+        if key not in self._index:
+            at = self.send_at if which == "send" else self.recv_at
+            self._index[key] = torch.tensor(at, dtype=torch.int64, device=device)
+        return self._index[key]
 
     def unpack(self, flat: torch.Tensor) -> torch.Tensor:
         per_row = math.prod(self.row)
-        ends = list(accumulate(n * per_row + 1 for n in self.recv_splits))
-        at = torch.tensor([end - 1 for end in ends], device=flat.device)
-        flags = flat.index_select(0, at)
-        pieces = [flat.narrow(0, end - n * per_row - 1, n * per_row)
-                  for n, end in zip(self.recv_splits, ends, strict=True) if n]
+        flags = flat.index_select(0, self.index("recv", flat.device))
+        pieces = [flat.narrow(0, at, n * per_row) for at, n in self.recv_rows if n]
         # From one peer (2 ranks, or halos from one side): its rows, in place.
         data = (pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces
-                else flat[:0]).view(sum(self.recv_splits), *self.row)
+                else flat[:0]).view(sum(n for _, n in self.recv_rows), *self.row)
         check_flags(flags, "this halo layer a tensor that differs from the one")
         return data
 
     def statuses(self, flat: torch.Tensor) -> list[int]:
         """Every peer's status element, as ints (a host sync)."""
-        per_row = math.prod(self.row)
-        ends = accumulate(n * per_row + 1 for n in self.recv_splits)
-        return [int(flat[end - 1].item()) for end in ends]
+        return [int(f) for f in flat.index_select(0, self.index("recv", flat.device)).tolist()]
+
+
+@planner_cache(256)
+def _flags(row: tuple[int, ...], send: tuple[int, ...], recv: tuple[int, ...]) -> _Flags:
+    """The layout of a flagged all-to-all sending `send[p]` rows of shape `row` to each
+    peer `p` and receiving `recv[p]`."""
+    per_row = math.prod(row)
+
+    def spans(rows: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+        ends = list(accumulate(n * per_row + 1 for n in rows))
+        return (tuple((end - n * per_row - 1, n) for n, end in zip(rows, ends, strict=True)),
+                tuple(end - 1 for end in ends))
+
+    (send_rows, send_at), (recv_rows, recv_at) = spans(send), spans(recv)
+    return _Flags(row, [n * per_row + 1 for n in send], [n * per_row + 1 for n in recv],
+                  send_rows, recv_rows, send_at, recv_at, {})
 
 
 def statuses(moved: Pending) -> list[int]:
@@ -391,6 +418,8 @@ def check_flags(flags: torch.Tensor, what: str) -> None:
         assert_async(flags.eq(0).all(), "a peer raised HaloError for this layer")
         return
     statuses = flags.tolist()
+    if not any(statuses):  # the steady state: nothing to raise
+        return
     check_reducing(statuses)
     raised = [rank for rank, f in enumerate(statuses) if f]
     if raised:
@@ -419,19 +448,16 @@ def start_flagged_all_to_all(
     for a mistake on one rank to raise on every rank. `buf`: as for `start_all_to_all`."""
     opens(group)
     parts = [buf] if isinstance(buf, torch.Tensor) else buf
-    row = tuple(parts[0].shape[1:])
-    per_row = math.prod(row)
-    send = parts[0].new_empty(sum(send_splits) * per_row + group.size)
-    ends = list(accumulate(n * per_row + 1 for n in send_splits))
-    _pack(parts, [send.narrow(0, end - n * per_row - 1, n * per_row).view(n, *row)
-                  for n, end in zip(send_splits, ends, strict=True)])
-    for end in ends:
-        send[end - 1] = flag
-    out = send.new_empty(sum(recv_splits) * per_row + group.size)
-    work = dist.all_to_all_single(out, send, [n * per_row + 1 for n in recv_splits],
-                                  [n * per_row + 1 for n in send_splits], group=group.pg,
-                                  async_op=True)
-    return Pending(out, (work,), flags=_Flags(tuple(recv_splits), row))
+    layout = _flags(tuple(parts[0].shape[1:]), tuple(send_splits), tuple(recv_splits))
+    per_row = math.prod(layout.row)
+    send = parts[0].new_empty(sum(layout.send_splits))
+    _pack(parts, [send.narrow(0, at, n * per_row).view(n, *layout.row)
+                  for at, n in layout.send_rows])
+    send.index_fill_(0, layout.index("send", send.device), flag)
+    out = send.new_empty(sum(layout.recv_splits))
+    work = dist.all_to_all_single(out, send, layout.recv_splits, layout.send_splits,
+                                  group=group.pg, async_op=True)
+    return Pending(out, (work,), flags=layout)
 
 
 def _pack(parts: list[torch.Tensor], segments: list[torch.Tensor]) -> None:
@@ -439,6 +465,11 @@ def _pack(parts: list[torch.Tensor], segments: list[torch.Tensor]) -> None:
     number of rows in all): one strided copy per overlap, each row written once."""
     parts = [p for p in parts if p.shape[0]]
     segments = [s for s in segments if s.shape[0]]
+    if len(parts) == len(segments) and all(
+            p.shape[0] == s.shape[0] for p, s in zip(parts, segments, strict=True)):
+        for part, segment in zip(parts, segments, strict=True):  # one copy each
+            segment.copy_(part)
+        return
     i = j = at_part = at_seg = 0
     while i < len(parts):
         n = min(parts[i].shape[0] - at_part, segments[j].shape[0] - at_seg)

@@ -125,6 +125,18 @@ maybe_run_for_local_tensor = _local.maybe_run_for_local_tensor
 # (`_dtensor_ops`) reads an OpSchema and returns an OutputSharding of a DTensorSpec.
 DTensorSpec = _spec.DTensorSpec
 TensorMeta = _spec.TensorMeta
+
+
+def held(x: DTensor) -> tuple[torch.Tensor, DTensorSpec]:
+    """A DTensor's local tensor and spec as it holds them (`to_local` adds an autograd
+    node; a layer's steady call, one node of its own, reads them directly)."""
+    return x._local_tensor, x._spec
+
+
+def dtensor_of(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A DTensor of `local` on `spec`: torch's own constructor, which its autograd wrappers
+    call (`from_local` adds a node and builds the spec anew each call)."""
+    return DTensor(local, spec, requires_grad=False)
 OpSchema = _schema.OpSchema
 OutputSharding = _schema.OutputSharding
 

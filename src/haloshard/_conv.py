@@ -151,19 +151,32 @@ class _CorrectedConv(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         move: HaloMove, args: _ConvArgs,
     ) -> torch.Tensor:
+        y, saved = _CorrectedConv.run(ctx, x, weight, bias, move, args)
+        ctx.save_for_backward(*saved)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return (*_CorrectedConv.grads(ctx, ctx.saved_tensors, grad), None, None)
+
+    @staticmethod
+    def run(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            move: HaloMove, args: _ConvArgs) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The forward: the output, and the tensors its backward reads (`x` first)."""
         moved = move.start(x)
         y = args.conv(x, weight, bias, args.own_padding)
         halo = _halo(x, move, moved, args)
         corrections = _corrections(args, weight, x.shape[args.dim], move.zero_slots(x, 0))
         corrections.add(y, halo, weight)
-        ctx.save_for_backward(x, weight, halo)
         ctx.move, ctx.args, ctx.corrections = move, args, corrections
         ctx.bias_sizes = None if bias is None else list(bias.shape)
-        return y
+        return y, (x, weight, halo)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, weight, halo = ctx.saved_tensors
+    def grads(ctx: Any, saved: tuple[torch.Tensor, ...], grad: torch.Tensor
+              ) -> tuple[torch.Tensor | None, ...]:
+        """The backward from `run`'s saved tensors: input, weight and bias gradients."""
+        x, weight, halo = saved
         args, move, mask = ctx.args, ctx.move, tuple(ctx.needs_input_grad[:3])
         if torch.is_grad_enabled():
             return _graph_backward(grad, x, weight, move, args, mask)
@@ -184,7 +197,7 @@ class _CorrectedConv(torch.autograd.Function):
             corrections.add_weight_grad(g_w, grad, halo, weight)
         if mask[0]:
             move.fold(g_x, moved, g_own)
-        return g_x, g_w, g_b, None, None
+        return g_x, g_w, g_b
 
 
 # Halo gradients travel during the chunk conv's backward when the slices in transit (sent
@@ -326,6 +339,18 @@ class _HaloConv(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         move: HaloMove, args: _ConvArgs,
     ) -> torch.Tensor:
+        y, saved = _HaloConv.run(ctx, x, weight, bias, move, args)
+        ctx.save_for_backward(*saved)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return (*_HaloConv.grads(ctx, ctx.saved_tensors, grad), None, None)
+
+    @staticmethod
+    def run(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            move: HaloMove, args: _ConvArgs) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The forward: the output, and the tensors its backward reads (`x` first)."""
         dim, left, length = args.dim, args.left, x.shape[args.dim]
         moved = move.start(x)
         if args.path == SPLIT:
@@ -350,13 +375,14 @@ class _HaloConv(torch.autograd.Function):
             # Backward rebuilds the window from the chunk and its halo slices: kept whole,
             # it would hold a copy of the chunk beside the chunk itself.
             windows = (_halo_slices(buf, args, length),) if any(ctx.needs_input_grad) else ()
-        ctx.save_for_backward(x, weight, *windows)
         ctx.move, ctx.args, ctx.has_bias = move, args, bias is not None
-        return y
+        return y, (x, weight, *windows)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, weight, *windows = ctx.saved_tensors
+    def grads(ctx: Any, saved: tuple[torch.Tensor, ...], grad: torch.Tensor
+              ) -> tuple[torch.Tensor | None, ...]:
+        """The backward from `run`'s saved tensors: input, weight and bias gradients."""
+        x, weight, *windows = saved
         args: _ConvArgs = ctx.args
         if torch.is_grad_enabled():
             return _graph_backward(grad, x, weight, ctx.move, args,
@@ -366,7 +392,7 @@ class _HaloConv(torch.autograd.Function):
         else:
             g_x, g_w = _whole_backward(grad, x, weight, windows, ctx.move, args, ctx.taps)
         g_b = grad.sum([d for d in range(grad.ndim) if d != 1]) if ctx.has_bias else None
-        return g_x, g_w, g_b, None, None
+        return g_x, g_w, g_b
 
 
 def _graph_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -393,7 +419,7 @@ def _graph_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         found = iter(torch.autograd.grad(y, inputs, grad, create_graph=True))
     g_x, g_w = (next(found) if need else None for need in mask[:2])
     g_b = grad.sum([d for d in range(grad.ndim) if d != 1]) if mask[2] else None
-    return g_x, g_w, g_b, None, None
+    return g_x, g_w, g_b
 
 
 def _gap(args: _ConvArgs) -> int:
@@ -475,8 +501,6 @@ def _fill_window(buf: torch.Tensor, x: torch.Tensor, halos: torch.Tensor, args: 
     buf.narrow(dim, left + length, right).copy_(halos.narrow(dim, left, right))
 
 
-_INPUT_GRAD = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input,
-               3: torch.nn.grad.conv3d_input}
 
 
 def _other_dims(args: _ConvArgs) -> tuple[list[int], list[int], list[int]]:
@@ -555,7 +579,7 @@ def _whole_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     """The exchanged window's conv backward in two calls, so that the window and its
     gradient are never held at once beside the conv's workspace: the weight gradient from
     the window rebuilt, which is then dropped; the input gradient from the window's shape
-    alone (`torch.nn.grad.conv*_input`), its halo gradients sent to their owners while the
+    alone (as `torch.nn.grad.conv*_input`), its halo gradients sent to their owners while the
     chunk's part is copied out, then added in. A window convolved tap by tap (`taps`, see
     `_choice.by_taps`) takes both tap by tap (`_taps_backward`)."""
     dim, length = args.dim, x.shape[args.dim]
@@ -568,8 +592,9 @@ def _whole_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         shape[dim] = grad.shape[dim] + args.reach  # stride 1 along dim: one output a window
         _, g_w, _ = args.full_backward(grad, _rebuilt(x, windows[0], args, shape), weight,
                                        mask=(False, True, False))
-        g_buf = _INPUT_GRAD[x.ndim - 2](shape, weight, grad, args.stride, args.padding,
-                                        args.dilation, args.groups)
+        # the input gradient from the window's shape alone (as `torch.nn.grad.conv3d_input`)
+        g_buf = args.full_backward(grad, grad.new_empty(1).expand(shape), weight,
+                                   mask=(True, False, False))[0]
     moved, g_own = move.start_backward(g_buf)
     g_x = empty_like_layout(x, list(x.shape))
     g_x.copy_(g_buf.narrow(dim, args.left, length))
@@ -625,7 +650,7 @@ def halo_conv(
     padding: int | tuple[int, ...] = 0, dilation: int | tuple[int, ...] = 1, groups: int = 1,
     pad: str = "zeros", transport: str | None = None, global_length: int | None = None,
     overlap: bool = True, _reuse: Reuse | None = None, _path: str | None = None,
-    _choose: Callable[[], bool] | None = None,
+    _choose: Callable[[], bool] | None = None, _ran: Callable[[ConvCall], None] | None = None,
 ) -> torch.Tensor:
     """`F.conv1d/2d/3d` on a `Shard(dim)` chunk, padded along `dim` by the halo.
 
@@ -649,6 +674,8 @@ def halo_conv(
             one that does not fit the chunks falls back as above.
         _choose: decides `overlap` once the exchange has agreed (haloshard's layers: the
             choice must be looked up alike on every rank).
+        _ran: told the agreed call (`ConvCall`) this conv ran as (haloshard's layers keep
+            it for their steady state: `_steady`); not told when no halo moves.
 
     Returns:
         This rank's `Shard(dim)` chunk of the global convolution's output.
@@ -674,7 +701,19 @@ def halo_conv(
         y = torch.ops.aten.convolution(with_spare_slice(x, dim) if spare else x,
                                        weight, bias, *args, False, [0] * n, groups)
         return y.narrow(dim, 0, x.shape[dim])
-    if path == CORRECTED:
-        return _CorrectedConv.apply(x, weight, bias, move, conv_args)
-    return _HaloConv.apply(x, weight, bias, move, conv_args)
+    call = ConvCall(_CorrectedConv if path == CORRECTED else _HaloConv, move, conv_args)
+    if _ran is not None:
+        _ran(call)
+    return call.function.apply(x, weight, bias, move, conv_args)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class ConvCall:
+    """An agreed halo conv: the autograd Function of its formulation (`_HaloConv` or
+    `_CorrectedConv`: `apply(x, weight, bias, move, args)`, or its steps `run` and `grads`),
+    with the prepared move and the conv's arguments."""
+
+    function: type[_HaloConv] | type[_CorrectedConv]
+    move: HaloMove
+    args: _ConvArgs
 
