@@ -125,8 +125,10 @@ def _rows_style(part: nn.Module, cls: str, dims: tuple[int, ...] = (3,)) -> Any:
     return plan[fqn]
 
 
-def hunyuan_conv(cin: int, cout: int, stride: int = 1) -> tuple[nn.Module, Any]:
-    """HunyuanVideo's causal conv (k 3, replicate `F.pad` of T, H, W) and its H style."""
+def hunyuan_conv(cin: int, cout: int, stride: int = 1, dims: tuple[int, ...] = (3,)
+                 ) -> tuple[nn.Module, Any]:
+    """HunyuanVideo's causal conv (k 3, replicate `F.pad` of T, H, W) and its style on
+    `dims` (H by default)."""
     from diffusers import AutoencoderKLHunyuanVideo
     from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import (
         HunyuanVideoCausalConv3d,
@@ -136,7 +138,7 @@ def hunyuan_conv(cin: int, cout: int, stride: int = 1) -> tuple[nn.Module, Any]:
         vae = AutoencoderKLHunyuanVideo(
             latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
             norm_num_groups=2)
-    style = _rows_style(vae.encoder, "HunyuanVideoCausalConv3d")
+    style = _rows_style(vae.encoder, "HunyuanVideoCausalConv3d", dims)
     with single_device():
         torch.manual_seed(0)
         return HunyuanVideoCausalConv3d(cin, cout, 3, stride=stride), style
@@ -152,11 +154,13 @@ def mochi_vae() -> nn.Module:
             latent_channels=4, layers_per_block=(1,) * 5)
 
 
-def mochi_conv(cin: int, cout: int, stride: int = 1) -> tuple[nn.Module, Any]:
-    """Mochi's causal conv (CogVideoX's class, replicate mode) and its H style."""
+def mochi_conv(cin: int, cout: int, stride: int = 1, dims: tuple[int, ...] = (3,)
+               ) -> tuple[nn.Module, Any]:
+    """Mochi's causal conv (CogVideoX's class, replicate mode) and its style on `dims` (H
+    by default)."""
     from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXCausalConv3d
 
-    style = _rows_style(mochi_vae().decoder, "CogVideoXCausalConv3d")
+    style = _rows_style(mochi_vae().decoder, "CogVideoXCausalConv3d", dims)
     with single_device():
         torch.manual_seed(0)
         return CogVideoXCausalConv3d(cin, cout, 3, stride=stride, pad_mode="replicate"), style
@@ -190,6 +194,33 @@ def test_rows_causal_conv_holds_one_window(name: str) -> None:
             _first(module(x))  # agrees the site
             ranks, y = live_at_conv(lambda: _first(module(x)))
         assert_close_per_rank(y.to_local(), lambda r: shard(y_ref, 3, 2, r), mesh, **TOL32)
+    assert one == 16 * 34 * 18 * 18 * 4, one  # one device: its padded input alone
+    assert ranks <= 1.25 * one, ranks / one
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_time_rows_causal_conv_holds_one_window(name: str) -> None:
+    """Inference, T and H sharded on a 2 x 2 mesh: the chunk is padded along W (which
+    neither shards) before the exchanges, so when the conv starts a rank holds one padded
+    window (2 causal frames and its 16 of 32, a halo row each side of its 8 of 16, W padded
+    by 1 each side). Over the four ranks 4 x 18 x 10 x 18 of one device's padded 34 x 18 x
+    18 (1.18 of it; the bound 1.25 leaves room for small buffers), where the exchanged
+    window and the wrapper's padded copy of it held 2.2 (HunyuanVideo's T+H encode peak)."""
+    module, style = CONVS[name](16, 16, dims=(2, 3))
+    full = seeded_randn((1, 16, 32, 16, 16), 1, torch.float32)
+    with single_device(), torch.no_grad():
+        one, y_ref = live_at_conv(lambda: _first(module(full)))
+    with simulated_mesh((2, 2), mesh_dim_names=("t", "h")) as mesh:
+        parallelize_module(module, mesh["t"], style)
+        x = distribute_tensor(full, mesh, [Shard(2), Shard(3)])
+        with torch.no_grad():
+            _first(module(x))  # agrees the site
+            ranks, y = live_at_conv(lambda: _first(module(x)))
+        got = per_rank(y.to_local())
+    for rank, local in got.items():  # global rank r: t = r // 2, h = r % 2
+        t, h = divmod(rank, 2)
+        torch.testing.assert_close(local, shard(shard(y_ref, 2, 2, t), 3, 2, h), **TOL32)
     assert one == 16 * 34 * 18 * 18 * 4, one  # one device: its padded input alone
     assert ranks <= 1.25 * one, ranks / one
 

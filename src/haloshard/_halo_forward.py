@@ -273,7 +273,7 @@ class HaloForward(ShardedForward):
             plan = plan_windows(stencil, site.shape[d], site.mesh.size(axis), uniform=uniform)
             plans.append((axis, d, plan))
             stencils.append(stencil)
-        x = halo_windows(site, plans, stencils, reuse)
+        x = self.windows_across(site, plans, stencils, reuse)
         y = self.run_across(x, across, *args, **kwargs)
         if isinstance(y, torch.Tensor) and self.annotation.spec is not None:
             sizes = tuple(n + z for n, z in zip(plans[0][2].win_len, plans[0][2].win_zeros,
@@ -282,6 +282,12 @@ class HaloForward(ShardedForward):
                           self.annotation.spec)
         return _several_output(y, site, plans, per_slice=[d for d, f in across.items()
                                                           if f is None])
+
+    def windows_across(self, site: Site, plans: list[tuple[int, int, WindowPlan]],
+                       stencils: list[Stencil], reuse: Reuse) -> torch.Tensor:
+        """The window `several` runs the module on: `halo_windows` (a style may build it
+        otherwise)."""
+        return halo_windows(site, plans, stencils, reuse)
 
     def across(self, d: int, ndim: int) -> tuple[Stencil, nn.Module] | None:
         """The layer's stencil along `d`, a second sharded dim, and the module whose padding

@@ -66,7 +66,7 @@ from haloshard._forward import (
     output_layouts,
 )
 from haloshard._forward import INSIDE as _INSIDE
-from haloshard._halo_forward import HaloForward, LocalRun, halo_window
+from haloshard._halo_forward import HaloForward, LocalRun, halo_window, halo_windows
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
 from haloshard._no_pad import NoPadAlong
 from haloshard._norms import group_norm
@@ -769,16 +769,35 @@ class _StripPadForward(HaloForward):
         finally:
             _INSIDE.reset(token)
 
+    def several(self, site: Site, *args: Any, **kwargs: Any) -> Any:
+        self.padded = self.padded_first(site)
+        return super().several(site, *args, **kwargs)
+
+    def windows_across(self, site: Site, plans: list[tuple[int, int, WindowPlan]],
+                       stencils: list[Stencil], reuse: Reuse) -> torch.Tensor:
+        """T and H sharded at once: the chunk padded first along the dims neither shards (W),
+        then exchanged along each: the window holds all of the wrapper's padding, and the
+        padded chunk is freed once the window is built (as `_padded_window`)."""
+        if not self.padded:
+            return super().windows_across(site, plans, stencils, reuse)
+        x = _padded_chunk(site.local, self.padded)
+        reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], x.requires_grad))
+        return halo_windows(replace(site, local=x), plans, stencils, reuse)
+
     def padded_first(self, site: Site) -> dict[int, HaloShard]:
         """The wrapper's own pads along dims this call does not shard, where the chunk can
         take them: replicate (any mode but zeros) cannot pad a chunk with no slice, and
-        whether any rank holds none is known alike on every rank (the global length)."""
-        if not self.active or site.others or not self.pads_first:
+        whether any rank holds none is known alike on every rank (the global lengths)."""
+        if not self.active or not self.pads_first:
             return {}
-        empty = min(shard_sizes(site.length, site.mesh.size(site.axis))) == 0
+        sharded = [(site.axis, site.dim), *site.others]
+        empty = any(min(shard_sizes(site.shape[d], site.mesh.size(axis))) == 0
+                    for axis, d in sharded)
         if empty and any(s.pad != "zeros" for s in self.pads_first.values()):
             return {}
-        return {d: s for d, s in self.pads_first.items() if s.left or s.right}
+        dims = {d for _, d in sharded}
+        return {d: s for d, s in self.pads_first.items()
+                if (s.left or s.right) and d not in dims}
 
 
 class _DroppedPad(NoPadAlong):
@@ -811,16 +830,20 @@ def _padded_window(site: Site, plan: WindowPlan, annotation: Annotation, reuse: 
     """The chunk padded along `pads`' dims (each slice alone, as the single-device `F.pad`
     pads it, so the halo slices arrive padded alike), then exchanged along dim: this
     rank's window. The padded chunk is not kept: it is freed once the window is built."""
-    x = site.local
+    x = _padded_chunk(site.local, pads)
+    # Its own agreement: the padded chunk's sizes differ from the unpadded chunk's.
+    reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], x.requires_grad))
+    return halo_window(replace(site, local=x), plan, annotation, reuse)
+
+
+def _padded_chunk(x: torch.Tensor, pads: dict[int, HaloShard]) -> torch.Tensor:
+    """The chunk padded along `pads`' dims as the wrapper's `F.pad` pads them."""
     widths = [0] * (2 * x.ndim - 4)
     for d, spec in pads.items():
         k = 2 * (x.ndim - 1 - d)
         widths[k : k + 2] = [spec.left, spec.right]
     mode = next(iter(pads.values())).pad
-    x = F.pad(_canonical(x), widths, mode="constant" if mode == "zeros" else mode)
-    # Its own agreement: the padded chunk's sizes differ from the unpadded chunk's.
-    reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], x.requires_grad))
-    return halo_window(replace(site, local=x), plan, annotation, reuse)
+    return F.pad(_canonical(x), widths, mode="constant" if mode == "zeros" else mode)
 
 
 def _one_conv(module: nn.Module, dim: int) -> nn.Conv1d:

@@ -177,12 +177,16 @@ def rows_causal_conv(module: nn.Module) -> ParallelStyle:
 
 
 def time_rows_causal_conv(module: nn.Module) -> ParallelStyle:
-    """The same with T and H sharded: the T halo causal, the H halo holds its `F.pad`."""
+    """The same with T and H sharded: the T halo causal, the H halo holds its `F.pad`. Its
+    `F.pad` of W is named too, so that the chunk is padded along W before the exchanges
+    and the wrapper's `F.pad` copies nothing (one window per rank)."""
     if module.pad_mode != "replicate":
         raise HaloError(f"a causal conv with pad_mode {module.pad_mode!r} is planned on T "
                         "and H with pad_mode 'replicate' only (F.pad of T and H)")
-    left, right = module.time_causal_padding[2:4]
-    return CausalConvParallel(pad="replicate", pads={3: (left, right)})
+    w_left, w_right, left, right = module.time_causal_padding[:4]
+    pads = {3: (left, right), 4: (w_left, w_right)}
+    return CausalConvParallel(pad="replicate",
+                              pads={d: lr for d, lr in pads.items() if d == 3 or any(lr)})
 
 
 def rows_pointwise(module: nn.Module) -> ParallelStyle:
