@@ -1,16 +1,17 @@
-"""A halo conv's steady call (`haloshard._steady`): from the second call that reuses a layer's
-agreement, the layer runs as one autograd node on the DTensor. Each formulation it can hold
-(overlapped corrections, exchange-first, exchange-first tap by tap; dilated; without bias)
-against one device over several calls: output, input gradient, weight and bias gradients,
-and a double backward; and the calls that must leave it (another signature, a parameter
-replaced, a conv attribute changed, a deep copy) take the whole path: exact, or `HaloError`
-on every rank.
+"""A halo conv on a DTensor runs as one autograd node (`haloshard._steady.sharded_conv`), and
+from the call after the first that reuses a layer's agreement as a steady call, which skips
+the whole path's lookups. Each formulation it can hold (overlapped corrections,
+exchange-first, exchange-first tap by tap; dilated; without bias) against one device over
+several calls: output, input gradient, weight and bias gradients, a double backward, and
+activation checkpointing (the recomputed forward must save what the first one saved, whichever
+path each took); and the calls that must leave the steady state (another signature, a
+parameter replaced, a conv attribute changed, a deep copy) take the whole path: exact, or
+`HaloError` on every rank.
 
 Real gloo processes: steady calls need eager c10d (simulated ranks never take them). T = 13
 on 2 and 3 ranks (7, 6 / 5, 4, 4). Float64: 1e-12 is for sums taken in another order; a
 misplaced slice is O(1).
 """
-
 from __future__ import annotations
 
 import copy
@@ -23,8 +24,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils.checkpoint import checkpoint
 
 from haloshard import HaloError, HaloParallel
+from haloshard._steady import Steady
 from haloshard.testing import (
     seeded_module,
     seeded_randn,
@@ -74,9 +77,20 @@ def _call(model: nn.Module, full: torch.Tensor, gy: torch.Tensor, *, grad: bool 
     model.zero_grad(set_to_none=True)
     local = shard(full, 2, world, rank).clone().requires_grad_(grad)
     x = DTensor.from_local(local, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
-    with torch.set_grad_enabled(grad):
-        y = model(x)
-    out = {"y": y.to_local().detach(), "steady": "SteadyConv" in type(y.grad_fn).__name__}
+    runs: list[bool] = []
+    run = Steady.run
+
+    def counted(self: Steady, *args: Any) -> Any:
+        runs.append(True)
+        return run(self, *args)
+
+    Steady.run = counted  # type: ignore[method-assign]
+    try:
+        with torch.set_grad_enabled(grad):
+            y = model(x)
+    finally:
+        Steady.run = run  # type: ignore[method-assign]
+    out = {"y": y.to_local().detach(), "steady": bool(runs)}
     if grad:
         (y.to_local() * shard(gy, 2, world, rank)).sum().backward()
         out["gx"] = local.grad
@@ -198,6 +212,33 @@ def double_backward() -> None:
                                        msg=f"call {call}")
 
 
+def checkpointed() -> list[bool]:
+    """Inside a worker: non-reentrant activation checkpointing around a layer over four
+    calls; its backward recomputes the forward (the steady call too) and must save what the
+    original saved."""
+    seen = []
+    for i, style in enumerate((HaloParallel(overlap=True), HaloParallel(overlap=False))):
+        layer = seeded_module(nn.Conv2d(3, 4, 3, padding=1), 20 + i)
+        full, gy = seeded_randn((1, 3, LENGTH, 5), 22), seeded_randn((1, 4, LENGTH, 5), 23)
+        y, gx, gp = _reference(layer, full, gy)
+        parallelize_module(layer, worker_mesh(dist.get_world_size()), style)
+        model = _Checkpointed(layer)
+        for call in range(4):
+            got = _call(model, full, gy)
+            _check(got, y, gx, gp, f"checkpointed {style}, call {call}")
+            seen.append(got["steady"])
+    return seen
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: DTensor) -> Any:
+        return checkpoint(self.layer, x, use_reentrant=False)
+
+
 @pytest.mark.gloo
 def test_leaving_the_steady_state(gloo: Callable[[int], Any]) -> None:
     world = gloo(3)
@@ -208,3 +249,5 @@ def test_leaving_the_steady_state(gloo: Callable[[int], Any]) -> None:
         assert "needs stride 1 and padding 0 there and left + right" in got["raised"], got
         assert got["copied"] == [False, False, True], got
     world.run(double_backward, timeout=180)
+    for seen in world.run(checkpointed, timeout=180):
+        assert seen == [False, False, True, True] * 2, seen

@@ -650,7 +650,7 @@ def halo_conv(
     padding: int | tuple[int, ...] = 0, dilation: int | tuple[int, ...] = 1, groups: int = 1,
     pad: str = "zeros", transport: str | None = None, global_length: int | None = None,
     overlap: bool = True, _reuse: Reuse | None = None, _path: str | None = None,
-    _choose: Callable[[], bool] | None = None, _ran: Callable[[ConvCall], None] | None = None,
+    _choose: Callable[[], bool] | None = None,
 ) -> torch.Tensor:
     """`F.conv1d/2d/3d` on a `Shard(dim)` chunk, padded along `dim` by the halo.
 
@@ -674,8 +674,6 @@ def halo_conv(
             one that does not fit the chunks falls back as above.
         _choose: decides `overlap` once the exchange has agreed (haloshard's layers: the
             choice must be looked up alike on every rank).
-        _ran: told the agreed call (`ConvCall`) this conv ran as (haloshard's layers keep
-            it for their steady state: `_steady`); not told when no halo moves.
 
     Returns:
         This rank's `Shard(dim)` chunk of the global convolution's output.
@@ -687,33 +685,54 @@ def halo_conv(
         >>> y.shape
         torch.Size([1, 8, 4, 16, 16])
     """
+    return conv_call(x, weight, bias, dim=dim, left=left, right=right, group=group,
+                     stride=stride, padding=padding, dilation=dilation, groups=groups,
+                     pad=pad, transport=transport, global_length=global_length,
+                     overlap=overlap, _reuse=_reuse, _path=_path,
+                     _choose=_choose).apply(x, weight, bias)
+
+
+def conv_call(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, dim: int,
+    left: int, right: int, group: GroupLike, stride: int | tuple[int, ...] = 1,
+    padding: int | tuple[int, ...] = 0, dilation: int | tuple[int, ...] = 1, groups: int = 1,
+    pad: str = "zeros", transport: str | None = None, global_length: int | None = None,
+    overlap: bool = True, _reuse: Reuse | None = None, _path: str | None = None,
+    _choose: Callable[[], bool] | None = None,
+) -> ConvCall:
+    """`halo_conv`'s agreement (every rank at once) and choice of formulation, not run yet:
+    the call `halo_conv` runs (`ConvCall.apply`), which haloshard's layers run on a DTensor
+    in one autograd node instead (`_steady`)."""
     problem, args = _conv_problem(x, weight, dim, left, right, stride, padding, dilation)
     move, lengths = prepare_halo(x, left, right, dim, group, pad=pad, transport=transport,
                                  global_length=global_length, problem=problem, reuse=_reuse)
     assert args is not None  # a problem raised on every rank in prepare_halo
     if _choose is not None and move is not None:  # agreed: every rank chooses alike
         overlap = _choose()
-    n = weight.ndim - 2
     path = formulation(overlap, _path, min(lengths), left, right)
-    spare = min(lengths) == 0
-    conv_args = _ConvArgs(dim, left, right, *args, groups, path, spare)
-    if move is None:  # a kernel of one along dim: no halo (and, for an empty chunk, a spare)
-        y = torch.ops.aten.convolution(with_spare_slice(x, dim) if spare else x,
-                                       weight, bias, *args, False, [0] * n, groups)
-        return y.narrow(dim, 0, x.shape[dim])
-    call = ConvCall(_CorrectedConv if path == CORRECTED else _HaloConv, move, conv_args)
-    if _ran is not None:
-        _ran(call)
-    return call.function.apply(x, weight, bias, move, conv_args)  # type: ignore[no-any-return]
+    conv_args = _ConvArgs(dim, left, right, *args, groups, path, min(lengths) == 0)
+    return ConvCall(_CorrectedConv if path == CORRECTED else _HaloConv, move, conv_args)
 
 
 @dataclass(frozen=True)
 class ConvCall:
     """An agreed halo conv: the autograd Function of its formulation (`_HaloConv` or
     `_CorrectedConv`: `apply(x, weight, bias, move, args)`, or its steps `run` and `grads`),
-    with the prepared move and the conv's arguments."""
+    the prepared move (None: a kernel of one along dim, no halo) and the conv's arguments."""
 
     function: type[_HaloConv] | type[_CorrectedConv]
-    move: HaloMove
+    move: HaloMove | None
     args: _ConvArgs
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+        """This rank's chunk of the global conv, differentiably."""
+        a, dim = self.args, self.args.dim
+        if self.move is None:  # no halo (and, for an empty chunk, a spare slice)
+            y = torch.ops.aten.convolution(with_spare_slice(x, dim) if a.spare else x, weight,
+                                           bias, a.stride, a.padding, a.dilation, False,
+                                           [0] * len(a.stride), a.groups)
+            return y.narrow(dim, 0, x.shape[dim])
+        return self.function.apply(x, weight, bias, self.move,  # type: ignore[no-any-return]
+                                   self.args)
 

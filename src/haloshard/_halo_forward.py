@@ -33,7 +33,7 @@ from haloshard._compat import (
     enabled_local_tensor_mode,
     maybe_run_for_local_tensor,
 )
-from haloshard._conv import ConvCall, halo_conv
+from haloshard._conv import ConvCall, conv_call
 from haloshard._errors import HaloError, named
 from haloshard._exchange import Reuse, exchange
 from haloshard._forward import INSIDE as _INSIDE
@@ -48,7 +48,15 @@ from haloshard._layout import (
 )
 from haloshard._no_pad import NoPadAlong
 from haloshard._packed import packed_conv
-from haloshard._site import Site, check_same_length, pick, rewrap, site_of, with_spare
+from haloshard._site import (
+    Site,
+    check_same_length,
+    output_spec,
+    pick,
+    rewrap,
+    site_of,
+    with_spare,
+)
 from haloshard._specs import (
     DERIVABLE,
     SPATIAL,
@@ -61,7 +69,7 @@ from haloshard._specs import (
     local_attrs,
     plan_windows,
 )
-from haloshard._steady import Steady, steady_of
+from haloshard._steady import Steady, sharded_conv, steady_of
 from haloshard._varlen import active_boundaries
 
 # How a module runs on its window: `local(forward, window, *args, **kwargs) -> output`.
@@ -196,18 +204,33 @@ class HaloForward(ShardedForward):
             choose = None if self.overlap is not None else (
                 lambda: self.choice.overlaps(self.module, site, plan,
                                              self.conv_run(site, plan, reuse)))
-            ran: list[ConvCall] = []
+            if isinstance(x, DTensor):
+                return self.conv_on_dtensor(x, site, plan, reuse, choose,
+                                            steady=not args and not kwargs)
             y = _overlapped_conv(self.module, site, plan, annotation, reuse,
-                                 whole=self.overlap is False, choose=choose, ran=ran.append)
-            out = with_spare(_output(y, site, plan, annotation), site)
-            if ran and not args and not kwargs:  # what later calls like this one run
-                key = (reuse[1], id(ran[0].move.route.group.pg))
-                self.steady = steady_of(x, out, self.module, ran[0], reuse[0], key,
-                                        (reuse[0], key, _comm.current_label))
-            return out
+                                 whole=self.overlap is False, choose=choose)
+            return with_spare(_output(y, site, plan, annotation), site)
         y = self.exchange_first(site, plan, reuse, *args, **kwargs)
         self.check_windows(y, site, plan, reuse)
         return with_spare(_output(y, site, plan, annotation), site)
+
+    def conv_on_dtensor(self, x: DTensor, site: Site, plan: WindowPlan, reuse: Reuse,
+                        choose: Callable[[], bool] | None, *, steady: bool) -> Any:
+        """The conv as `halo_conv` on a DTensor, in one autograd node (`sharded_conv`);
+        with `steady`, kept as the layer's steady state once its agreement is reused."""
+        module = self.module
+        chunk, call = _conv_call(module, site, plan, self.annotation, reuse,
+                                 whole=self.overlap is False, choose=choose)
+        if call.move is None or chunk is not site.local:  # no halo, or padded first
+            y = call.apply(chunk, module.weight, module.bias)
+            return with_spare(_output(y, site, plan, self.annotation), site)
+        out = sharded_conv(x, module.weight, module.bias, call,
+                           lambda y: output_spec(y, site, self.dim, plan.out_length))
+        if steady:  # what later calls like this one run
+            key = (reuse[1], id(call.move.route.group.pg))
+            self.steady = steady_of(x, out, module, call, reuse[0], key,
+                                    (reuse[0], key, _comm.current_label))
+        return out
 
     @property
     def chosen(self) -> dict[Any, bool]:
@@ -372,15 +395,21 @@ def halo_windows(site: Site, plans: list[tuple[int, int, WindowPlan]],
     over the earlier one's window (so it also moves the corners a kernel reads from its
     diagonal neighbour). A rank that raises along one axis still joins the later axes'
     exchanges, flagged (`_fail_later_axes`), so their peers raise at once too."""
-    x = site.local
+    # `site` no longer holds the chunk: a chunk made for this call (padded first) is freed
+    # once the first window is built
+    x, site = site.local, replace(site, local=_NO_CHUNK)
     for i, ((axis, d, plan), stencil) in enumerate(zip(plans, stencils, strict=True)):
         try:
             x = halo_window(replace(site, local=x, axis=axis, dim=d), plan,
                             Annotation(None, d, stencil), reuse)
         except HaloError:
-            _fail_later_axes(site, plans[i + 1 :], stencils[i + 1 :], reuse)
+            _fail_later_axes(replace(site, local=x), plans[i + 1 :], stencils[i + 1 :],
+                             reuse)
             raise
     return x
+
+
+_NO_CHUNK = torch.empty(0)
 
 
 def _fail_later_axes(site: Site, plans: list[tuple[int, int, WindowPlan]],
@@ -400,12 +429,19 @@ def _fail_later_axes(site: Site, plans: list[tuple[int, int, WindowPlan]],
 def _overlapped_conv(module: nn.Module, site: Site, plan: WindowPlan,
                      annotation: Annotation, reuse: Reuse, *, whole: bool = False,
                      params: list[torch.Tensor | None] | None = None,
-                     choose: Callable[[], bool] | None = None,
-                     ran: Callable[[ConvCall], None] | None = None) -> torch.Tensor:
+                     choose: Callable[[], bool] | None = None) -> torch.Tensor:
     """The conv as `halo_conv`: the chunk's own conv runs while the halo travels (`whole`:
     the conv of the exchanged window, `overlap=False`), with the module's weight and bias
-    or `params` in their place; `ran` is told the agreed call, where the chunk is the
-    input's own (not padded first).
+    or `params` in their place."""
+    x, call = _conv_call(module, site, plan, annotation, reuse, whole=whole, choose=choose)
+    weight, bias = (module.weight, module.bias) if params is None else params
+    return call.apply(x, weight, bias)
+
+
+def _conv_call(module: nn.Module, site: Site, plan: WindowPlan, annotation: Annotation,
+               reuse: Reuse, *, whole: bool, choose: Callable[[], bool] | None
+               ) -> tuple[torch.Tensor, ConvCall]:
+    """The chunk the conv runs on and its agreed call (`conv_call`).
 
     A padding mode other than zeros pads the other dims first, as the module's own forward
     does (its padding along `dim` is 0 while the halo is attached): each slice is padded
@@ -418,14 +454,11 @@ def _overlapped_conv(module: nn.Module, site: Site, plan: WindowPlan,
         # Its own agreement: the padded chunk's sizes differ from the unpadded chunk's,
         # and it needs no gradient when padded under no_grad.
         reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], x.requires_grad))
-        ran = None
-    weight, bias = (module.weight, module.bias) if params is None else params
-    return halo_conv(x, weight, bias, dim=annotation.dim,
-                     left=plan.left, right=plan.right, group=(site.mesh, site.axis),
-                     stride=module.stride, padding=padding, dilation=module.dilation,
-                     groups=module.groups, pad=annotation.stencil.pad,
-                     global_length=plan.length, overlap=not whole, _reuse=reuse,
-                     _choose=choose, _ran=ran)
+    return x, conv_call(x, module.weight, module.bias, dim=annotation.dim, left=plan.left,
+                        right=plan.right, group=(site.mesh, site.axis), stride=module.stride,
+                        padding=padding, dilation=module.dilation, groups=module.groups,
+                        pad=annotation.stencil.pad, global_length=plan.length,
+                        overlap=not whole, _reuse=reuse, _choose=choose)
 
 
 @contextmanager

@@ -780,9 +780,11 @@ class _StripPadForward(HaloForward):
         padded chunk is freed once the window is built (as `_padded_window`)."""
         if not self.padded:
             return super().windows_across(site, plans, stencils, reuse)
-        x = _padded_chunk(site.local, self.padded)
-        reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], x.requires_grad))
-        return halo_windows(replace(site, local=x), plans, stencils, reuse)
+        grad = site.local.requires_grad and torch.is_grad_enabled()  # the padded chunk's
+        reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], grad))
+        # no name here holds the padded chunk: `halo_windows` frees it after the first axis
+        return halo_windows(replace(site, local=_padded_chunk(site.local, self.padded)),
+                            plans, stencils, reuse)
 
     def padded_first(self, site: Site) -> dict[int, HaloShard]:
         """The wrapper's own pads along dims this call does not shard, where the chunk can

@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from haloshard import _comm
 from haloshard._agree import Fields, check_rows, dtype_code, gather
-from haloshard._compat import maybe_run_for_local_tensor
+from haloshard._compat import DTensorSpec, TensorMeta, maybe_run_for_local_tensor
 from haloshard._conv import with_spare_slice
 from haloshard._errors import HaloError
 from haloshard._forward import enclosing
@@ -169,6 +169,15 @@ def rewrap(y: torch.Tensor, site: Site, dim: int, length: int) -> Any:
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     return DTensor.from_local(y, site.mesh, site.placements, run_check=False, shape=shape,
                               stride=stride)
+
+
+def output_spec(y: torch.Tensor, site: Site, dim: int, length: int) -> DTensorSpec:
+    """The spec `rewrap` gives this rank's output chunk `y` of a DTensor input."""
+    assert site.placements is not None
+    shape = _global_shape(y, site, dim, length)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensorSpec(site.mesh, site.placements,
+                       tensor_meta=TensorMeta(shape, stride, y.dtype))
 
 
 def _global_shape(y: torch.Tensor, site: Site, dim: int, out_length: int) -> torch.Size:

@@ -1,16 +1,22 @@
-"""A halo conv layer's steady state: one autograd node per call on a DTensor input.
+"""A halo conv on a DTensor input as one autograd node, and its steady state.
 
-A call whose input signature is new takes the whole path (`HaloForward.sharded`): the
-input's site, the window plan, the agreement of every rank (one small gather) and the choice
-of formulation. Later calls with that signature reuse the agreement: each rank compares its
-call with the agreed one locally, and the halo move carries a status flag, so a mistake on one
-rank still raises on every rank. What such a call computes is then fixed: the agreed move, the
+A conv with torch's own forward on a `Shard(dim)` DTensor runs its agreed formulation
+(`_conv.ConvCall`) inside one autograd Function on the DTensor (`sharded_conv`): the
+formulation's own forward and backward between the input's unwrap and the output's rewrap,
+with no DTensor autograd node around them. It saves the DTensor in the place of its chunk (the
+same storage): every call of the layer saves alike, so a checkpointed forward and its
+recomputation match, and a backward that builds a graph (`create_graph=True`)
+differentiates through it.
+
+A call whose input signature is new takes the whole path (`HaloForward.sharded`): the input's
+site, the window plan, the agreement of every rank (one small gather) and the choice of
+formulation. Later calls with that signature reuse the agreement: each rank compares its call
+with the agreed one locally, and the halo move carries a status flag, so a mistake on one rank
+still raises on every rank. What such a call computes is then fixed: the agreed move, the
 conv's arguments and formulation, the output's spec. `Steady` keeps them, from the first call
-that reused the agreement, and runs a later call that matches them as one autograd Function on
-the DTensor (`_SteadyConv`: the formulation's own forward and backward between the input's
-unwrap and the output's rewrap), without the site, plan and agreement lookups the agreement
-already settled and without the two DTensor autograd nodes around the conv. The halo move is
-the same flagged move, so a peer's mistake raises here as on the whole path.
+that reused the agreement, and runs a later call that matches them straight to
+`sharded_conv`, without the site, plan and agreement lookups the agreement already settled.
+The halo move is the same flagged move, so a peer's mistake raises here as on the whole path.
 
 A call matches when everything the whole path reads for it is what it read then: the
 DTensor's mesh, placements, global shape, stride and dtype, its local shape and device, its
@@ -22,7 +28,7 @@ replaces it). Anything else takes the whole path.
 from __future__ import annotations
 
 import copy
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +65,6 @@ class Steady:
     grad: tuple[bool, bool]  # the input's requires_grad, the grad mode
     conv: tuple[Any, ...]  # `conv_signature`
     call: ConvCall
-    in_spec: DTensorSpec  # the input's (its gradient's)
     out_spec: DTensorSpec
     store: Agreements  # the layer's agreements: `store[key] is agreed` while it holds
     key: Hashable
@@ -80,7 +85,11 @@ class Steady:
     def run(self, x: DTensor, module: nn.Module) -> DTensor:
         """This rank's `Shard(dim)` output of `module` on `x` (`matches(x, module)`)."""
         _comm.opens(self.group, self.opening)
-        return _SteadyConv.apply(x, module.weight, module.bias, self)  # type: ignore[no-any-return]
+        return sharded_conv(x, module.weight, module.bias, self.call, self.output_spec)
+
+    def output_spec(self, y: torch.Tensor) -> DTensorSpec:
+        # a fresh spec per output, as torch's own wrappers make (specs may be edited)
+        return copy.copy(self.out_spec)
 
 
 def steady_of(x: Any, out: Any, module: nn.Module, call: ConvCall, store: Agreements,
@@ -88,55 +97,64 @@ def steady_of(x: Any, out: Any, module: nn.Module, call: ConvCall, store: Agreem
     """The steady state of a call that ran `call` on DTensor `x` and returned `out`, from
     the agreement `store[key]`; None unless the call reused that agreement (its move carries
     status flags: eager, real ranks) with a DTensor in and out."""
-    route = call.move.route
-    if not (type(x) is DTensor and type(out) is DTensor and route.flagged and key in store):
+    move = call.move
+    if not (move is not None and move.route.flagged and type(x) is DTensor
+            and type(out) is DTensor and key in store):
         return None
     (local, spec), out_spec = held(x), held(out)[1]
     if type(local) is not torch.Tensor:
         return None
     return Steady(spec.mesh, spec.placements, spec.tensor_meta, local.shape, local.device,
                   (x.requires_grad, torch.is_grad_enabled()), conv_signature(module), call,
-                  copy.copy(spec), copy.copy(out_spec), store, key, store[key], route.group,
-                  opening)
+                  copy.copy(out_spec), store, key, store[key], move.route.group, opening)
 
 
-class _SteadyConv(torch.autograd.Function):
+def sharded_conv(x: DTensor, weight: torch.Tensor, bias: torch.Tensor | None, call: ConvCall,
+                 output_spec: Callable[[torch.Tensor], DTensorSpec]) -> DTensor:
+    """The agreed halo conv `call` (one that moves a halo) on `x`'s local chunk as one
+    autograd node: this rank's output chunk, a DTensor on `output_spec(chunk)`."""
+    return _ShardedConv.apply(x, weight, bias, call,  # type: ignore[no-any-return]
+                              output_spec)
+
+
+class _ShardedConv(torch.autograd.Function):
     """Forward: a `Shard(dim)` DTensor -> this rank's `Shard(dim)` DTensor of the global
     conv, the agreed formulation run on its local chunk. Backward: the formulation's
     backward on the output gradient's local chunk, the input gradient a DTensor on the
-    input's spec. The DTensor is saved in the place of its chunk (the same storage), so a
-    backward that builds a graph (`create_graph=True`) differentiates through it."""
+    input's spec. The DTensor is saved in the place of its chunk (see the module
+    docstring)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, x: DTensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        steady: Steady,
+        call: ConvCall, output_spec: Callable[[torch.Tensor], DTensorSpec],
     ) -> DTensor:
         ctx.set_materialize_grads(False)
-        ctx.steady = steady
-        call = steady.call
-        y, saved = call.function.run(ctx, held(x)[0], weight, bias, call.move, call.args)
+        local, ctx.in_spec = held(x)
+        ctx.function = call.function
+        assert call.move is not None
+        y, saved = call.function.run(ctx, local, weight, bias, call.move, call.args)
         ctx.save_for_backward(x, *saved[1:])
-        # a fresh spec per output, as torch's own wrappers make (specs may be edited)
-        return dtensor_of(y, copy.copy(steady.out_spec))
+        out = output_spec(y)
+        ctx.out_placements = out.placements
+        return dtensor_of(y, out)
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         if grad is None:
-            return None, None, None, None
-        steady: Steady = ctx.steady
+            return None, None, None, None, None
         x, *saved = ctx.saved_tensors
         graph = torch.is_grad_enabled()  # create_graph: differentiable in turn
         local, spec = held(grad)
-        if spec.placements != steady.placements:
-            local = local_grad(grad, steady.mesh, steady.placements)
+        if spec.placements != ctx.out_placements:
+            local = local_grad(grad, spec.mesh, ctx.out_placements)
         elif graph:
             local = grad.to_local()
-        g_x, g_w, g_b = steady.call.function.grads(
-            ctx, (unwrap(x) if graph else held(x)[0], *saved), local)
+        g_x, g_w, g_b = ctx.function.grads(ctx, (unwrap(x) if graph else held(x)[0], *saved),
+                                           local)
         if g_x is not None:
-            spec = steady.in_spec
+            spec = ctx.in_spec
             g_x = (DTensor.from_local(g_x, spec.mesh, spec.placements, shape=spec.shape,
                                       stride=spec.stride)
                    if graph else dtensor_of(g_x, copy.copy(spec)))
-        return g_x, g_w, g_b, None
+        return g_x, g_w, g_b, None, None
