@@ -204,7 +204,8 @@ class HaloForward(ShardedForward):
             choose = None if self.overlap is not None else (
                 lambda: self.choice.overlaps(self.module, site, plan,
                                              self.conv_run(site, plan, reuse)))
-            if isinstance(x, DTensor):
+            # compiled, the conv and DTensor's own autograd nodes trace as usual
+            if isinstance(x, DTensor) and not torch.compiler.is_compiling():
                 return self.conv_on_dtensor(x, site, plan, reuse, choose,
                                             steady=not args and not kwargs)
             y = _overlapped_conv(self.module, site, plan, annotation, reuse,
