@@ -136,7 +136,33 @@ def halo_taps(left: int, right: int, dilation: int, kernel: int
     return (*firsts, *lasts)
 
 
-class _CorrectedConv(torch.autograd.Function):
+class _Formulated(torch.autograd.Function):
+    """A formulation's autograd Function, `apply(x, weight, bias, move, args)`: the steps
+    (`run`, `grads`) of the formulation `args.path` names (`formulation_of`), which
+    `_steady`'s node on a DTensor runs too. One subclass per formulation, so a graph's node
+    names which one ran."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+        move: HaloMove, args: _ConvArgs,
+    ) -> torch.Tensor:
+        ctx.steps = formulation_of(args)
+        y, saved = ctx.steps.run(ctx, x, weight, bias, move, args)
+        ctx.save_for_backward(*saved)
+        return y  # type: ignore[no-any-return]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return (*ctx.steps.grads(ctx, ctx.saved_tensors, grad), None, None)
+
+
+def formulation_of(args: _ConvArgs) -> type[_CorrectedConv] | type[_HaloConv]:
+    """The Function of the formulation `args.path` names."""
+    return _CorrectedConv if args.path == CORRECTED else _HaloConv
+
+
+class _CorrectedConv(_Formulated):
     """Forward: `(B, C, T_r, ...) -> (B, O, T_r, ...)`: `y = conv(x, W, b)` with zero padding
     `p` along T (the chunk's own conv), then `y[o] += conv(h[s], W[:, :, t])` for every
     `(o, t, s)` of `halo_taps`, `h = (B, C, 2p, ...)` the halo.
@@ -145,19 +171,6 @@ class _CorrectedConv(torch.autograd.Function):
     `g_W[:, :, t] += conv_weight_grad(g_y[o], h[s])` added in place; `g_b` is the conv's.
     (A conv1d computes the same sums for both edges in one conv: `_EdgeWindows`.)
     """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        move: HaloMove, args: _ConvArgs,
-    ) -> torch.Tensor:
-        y, saved = _CorrectedConv.run(ctx, x, weight, bias, move, args)
-        ctx.save_for_backward(*saved)
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        return (*_CorrectedConv.grads(ctx, ctx.saved_tensors, grad), None, None)
 
     @staticmethod
     def run(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -329,23 +342,10 @@ def _at(output: int, length: Any) -> Any:
     return output if output >= 0 else length + output
 
 
-class _HaloConv(torch.autograd.Function):
+class _HaloConv(_Formulated):
     """Forward: `(B, C, T_r, ...) -> (B, O, T_r, ...)`, this rank's chunk of the global conv.
     Backward: input gradients of the halos go back to their owners; weight and bias
     gradients are this rank's partial sums."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        move: HaloMove, args: _ConvArgs,
-    ) -> torch.Tensor:
-        y, saved = _HaloConv.run(ctx, x, weight, bias, move, args)
-        ctx.save_for_backward(*saved)
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        return (*_HaloConv.grads(ctx, ctx.saved_tensors, grad), None, None)
 
     @staticmethod
     def run(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -711,7 +711,7 @@ def conv_call(
         overlap = _choose()
     path = formulation(overlap, _path, min(lengths), left, right)
     conv_args = _ConvArgs(dim, left, right, *args, groups, path, min(lengths) == 0)
-    return ConvCall(_CorrectedConv if path == CORRECTED else _HaloConv, move, conv_args)
+    return ConvCall(formulation_of(conv_args), move, conv_args)
 
 
 @dataclass(frozen=True)
