@@ -269,8 +269,12 @@ class _FrameNormForward(ShardedForward):
         y = gn(frames) if not rows else group_norm(
             frames, gn.num_groups, gn.weight, gn.bias, gn.eps, rows[0], dim=2,
             other_groups=rows[1:])
-        y = torch.stack(y.split(local.shape[0], 0), 2).narrow(2, 0, n)
-        return DTensor.from_local(y.contiguous(), site.mesh, site.placements,
+        if local.shape[2] == n and not y.requires_grad:  # in the input's layout, as one
+            # device's norm keeps it (inference: `out=` takes no gradient)
+            y = torch.stack(y.split(local.shape[0], 0), 2, out=torch.empty_like(local))
+        else:
+            y = torch.stack(y.split(local.shape[0], 0), 2).narrow(2, 0, n).contiguous()
+        return DTensor.from_local(y, site.mesh, site.placements,
                                   run_check=False, shape=x.shape, stride=x.stride())
 
 
