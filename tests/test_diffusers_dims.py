@@ -378,6 +378,9 @@ def case_no_grad(mesh: DeviceMesh, name: str, part: str, shape: tuple[int, ...],
     for _ in range(2):
         with torch.no_grad(), _Made() as made:
             y = module(x)
+        if isinstance(y, tuple):  # Mochi's encoder: (latents, conv caches of None)
+            y, *rest = y
+            assert "tensor" not in repr(rest), rest
         gc.collect()
         out = _storages(y)
         alive = [(op, tuple(t.shape)) for ref, op in made.made
@@ -416,6 +419,11 @@ def on_gloo(dims: tuple[int, ...]) -> None:
              (1, 4, 3, 3, 2), dims)
         case(worker_mesh((world // 2, 2), mesh_dim_names=("t", "h")), "hunyuan", "decoder",
              (1, 4, 3, 3, 2), dims)  # 2, 1 frames x 2, 1 rows: the mid-block's attention
+        # Mochi's per-frame norm and per-pixel attention on real ranks (eager: the norm's
+        # frames are a view of the chunk), with and without a gradient
+        mochi = worker_mesh((world // 2, 2), mesh_dim_names=("t", "h"))
+        case(mochi, "mochi", "encoder", (1, 3, 7, 16, 8), dims)
+        case_no_grad(mochi, "mochi", "encoder", (1, 3, 7, 16, 8), dims)
     case_no_grad(mesh, "hunyuan" if dims == (3,) else "ltx",
                  "decoder" if dims == (3,) else "encoder",
                  (1, 4, 3, 3, 2) if dims == (3,) else (1, 3, 5, 6, 4), dims)

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from haloshard._annotation import Annotation
 from haloshard._compat import enabled_local_tensor_mode
 from haloshard._errors import HaloError
+from haloshard._exchange import memory_format
 from haloshard._forward import (
     ShardedForward,
     install,
@@ -257,24 +258,30 @@ class _FrameNormForward(ShardedForward):
                             f"{type(x).__name__}")
         site = dtensor_site(x, self.dim, several=True)
         local, gn, n = site.local, self.module.norm_layer, site.local.shape[2]
-        if enabled_local_tensor_mode() is not None:
-            # simulated ranks: frames padded to the longest chunk (flattened into the
-            # batch below: a per-rank length there breaks LocalTensorMode); each padding
-            # frame is a sample of its own, dropped below
-            local = _pad_end(local, 2, shard_sizes(site.length, site.mesh.size(site.axis))[0])
-        # (T_r * B, C, H_r, W) by frames: concatenated, not flattened, since under
-        # LocalTensorMode a view over per-rank row counts cannot be decided
-        frames = torch.cat(local.unbind(2), 0)
         rows = [(site.mesh, a) for a, _ in site.others]
-        y = gn(frames) if not rows else group_norm(
-            frames, gn.num_groups, gn.weight, gn.bias, gn.eps, rows[0], dim=2,
-            other_groups=rows[1:])
-        if local.shape[2] == n and not y.requires_grad:  # in the input's layout, as one
-            # device's norm keeps it (inference: `out=` takes no gradient)
-            y = torch.stack(y.split(local.shape[0], 0), 2, out=torch.empty_like(local))
-        else:
-            y = torch.stack(y.split(local.shape[0], 0), 2).narrow(2, 0, n).contiguous()
-        return DTensor.from_local(y, site.mesh, site.placements,
+
+        def norm(frames: torch.Tensor) -> torch.Tensor:
+            return gn(frames) if not rows else group_norm(
+                frames, gn.num_groups, gn.weight, gn.bias, gn.eps, rows[0], dim=2,
+                other_groups=rows[1:])
+
+        if enabled_local_tensor_mode() is None:
+            # (B * T_r, C, H_r, W) as one device's norm takes them: a view of a
+            # channels-last chunk (a copy otherwise), normalised in that layout, and viewed
+            # back: the rank holds the input and one output, as one device does
+            y = norm(local.transpose(1, 2).flatten(0, 1)).unflatten(0, (-1, n)).transpose(1, 2)
+            return DTensor.from_local(y.contiguous(memory_format=memory_format(local)),
+                                      site.mesh, site.placements, run_check=False,
+                                      shape=x.shape, stride=x.stride())
+        # simulated ranks: frames padded to the longest chunk (flattened into the batch
+        # below: a per-rank length there breaks LocalTensorMode); each padding frame is a
+        # sample of its own, dropped below. (T_r * B, C, H_r, W) by frames: concatenated,
+        # not flattened, since under LocalTensorMode a view over per-rank row counts cannot
+        # be decided
+        local = _pad_end(local, 2, shard_sizes(site.length, site.mesh.size(site.axis))[0])
+        y = norm(torch.cat(local.unbind(2), 0))
+        y = torch.stack(y.split(local.shape[0], 0), 2).narrow(2, 0, n)
+        return DTensor.from_local(y.contiguous(), site.mesh, site.placements,
                                   run_check=False, shape=x.shape, stride=x.stride())
 
 
