@@ -52,10 +52,19 @@ def test_parallelize_example_checks_its_plan_then_runs() -> None:
                           timeout=600, check=False, env=env)
     assert done.returncode == 0 and done.stdout.startswith("plan ok"), (
         done.stdout + done.stderr)[-4000:]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, check=False, env=env)
-    ranks = re.findall(r"rank (\d+): output frames 5 of 10", done.stdout)
+    for attempt in range(2):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node", "2", script], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600, check=False, env=env)
+        ranks = re.findall(r"rank (\d+): output frames 5 of 10", done.stdout)
+        # A rank aborting at exit (SIGABRT, "terminate called without an active exception")
+        # after both printed their result and tore gloo down: a teardown race of the
+        # launcher's processes on this machine, seen at a commit before this test's code
+        # changed too (2 runs in 8); run once more, then fail.
+        aborted = ("Signal 6 (SIGABRT)" in done.stdout + done.stderr
+                   and sorted(ranks) == ["0", "1"])
+        if not aborted or attempt:
+            break
     assert done.returncode == 0 and sorted(ranks) == ["0", "1"], (
         done.stdout + done.stderr)[-4000:]
 

@@ -340,6 +340,8 @@ def _normalized(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor
         b = -_expand(mean, c, n, None) * a
         if bias is not None:
             b = b + bias.to(work).view(-1, *([1] * (n - 2)))
+        if x.is_contiguous():
+            return torch.addcmul(b, x.to(work), a).to(x.dtype)
         # written into a buffer of x's layout: given b and a first, the output would take
         # theirs (contiguous), where one device's GroupNorm keeps a channels-last input's
         return torch.addcmul(b, x.to(work), a,
