@@ -189,6 +189,13 @@ Agreements = dict[Hashable, Agreed]
 Reuse = tuple[Agreements, Hashable, Hashable]
 
 
+def padded_reuse(reuse: Reuse, requires_grad: bool) -> Reuse:
+    """The agreement of a call site's chunk padded before its exchange: its own key and
+    signature (the padded chunk's sizes differ from the chunk's, and it needs no gradient
+    when padded under no_grad)."""
+    return reuse[0], (reuse[1], "padded"), (reuse[2], requires_grad)
+
+
 def reuse_agreement(store: Agreements, key: Hashable, row: Any, signature: Hashable,
           own: str | None, join: Callable[[Agreed, int], list[int]],
           differs: Callable[[Agreed, list[int]], str]) -> Agreed | None:

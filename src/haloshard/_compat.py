@@ -125,6 +125,8 @@ maybe_run_for_local_tensor = _local.maybe_run_for_local_tensor
 # (`_dtensor_ops`) reads an OpSchema and returns an OutputSharding of a DTensorSpec.
 DTensorSpec = _spec.DTensorSpec
 TensorMeta = _spec.TensorMeta
+OpSchema = _schema.OpSchema
+OutputSharding = _schema.OutputSharding
 
 
 def held(x: DTensor) -> tuple[torch.Tensor, DTensorSpec]:
@@ -137,9 +139,6 @@ def dtensor_of(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     """A DTensor of `local` on `spec`: torch's own constructor, which its autograd wrappers
     call (`from_local` adds a node and builds the spec anew each call)."""
     return DTensor(local, spec, requires_grad=False)
-OpSchema = _schema.OpSchema
-OutputSharding = _schema.OutputSharding
-
 
 
 def clear_sharding_cache() -> None:

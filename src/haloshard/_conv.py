@@ -711,7 +711,7 @@ def conv_call(
         overlap = _choose()
     path = formulation(overlap, _path, min(lengths), left, right)
     conv_args = _ConvArgs(dim, left, right, *args, groups, path, min(lengths) == 0)
-    return ConvCall(formulation_of(conv_args), move, conv_args)
+    return ConvCall(move, conv_args)
 
 
 @dataclass(frozen=True)
@@ -720,9 +720,12 @@ class ConvCall:
     `_CorrectedConv`: `apply(x, weight, bias, move, args)`, or its steps `run` and `grads`),
     the prepared move (None: a kernel of one along dim, no halo) and the conv's arguments."""
 
-    function: type[_HaloConv] | type[_CorrectedConv]
     move: HaloMove | None
     args: _ConvArgs
+
+    @property
+    def function(self) -> type[_HaloConv] | type[_CorrectedConv]:
+        return formulation_of(self.args)
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from haloshard import _comm, _segments
+from haloshard._agree import padded_reuse
 from haloshard._annotation import Annotation
 from haloshard._choice import ConvChoice, TrialRun, overlappable
 from haloshard._compat import (
@@ -34,7 +35,7 @@ from haloshard._compat import (
     maybe_run_for_local_tensor,
 )
 from haloshard._conv import ConvCall, conv_call
-from haloshard._errors import HaloError, named
+from haloshard._errors import HaloError
 from haloshard._exchange import Reuse, exchange
 from haloshard._forward import INSIDE as _INSIDE
 from haloshard._forward import (
@@ -169,20 +170,11 @@ class HaloForward(ShardedForward):
         with _swapped(self.module, self.saved):
             return self.original(*args, **kwargs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        steady = self.steady
-        if (steady is not None and len(args) == 1 and not kwargs and type(args[0]) is DTensor
-                and not _INSIDE.get() and active_boundaries() is None
-                and steady.matches(args[0], self.module)):
-            with _comm.labelled(self.name):
-                try:
-                    return steady.run(args[0], self.module)
-                except HaloError as error:
-                    _comm.forget_openings()
-                    raise named(error, self.name) from error
-        return super().__call__(*args, **kwargs)
-
     def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        steady = self.steady
+        if (steady is not None and not args and not kwargs and type(x) is DTensor
+                and active_boundaries() is None and steady.matches(x, self.module)):
+            return steady.run(x, self.module)  # what the agreement already settled
         annotation = self.annotation
         if isinstance(self.module, TRANSPOSED) and (args or "output_size" in kwargs):
             raise HaloError("ConvTranspose with output_size= is not supported under a halo "
@@ -452,9 +444,7 @@ def _conv_call(module: nn.Module, site: Site, plan: WindowPlan, annotation: Anno
     if module.padding_mode != "zeros" and any(padding):
         x = F.pad(x, [w for p in reversed(padding) for w in (p, p)], mode=module.padding_mode)
         padding = (0,) * len(padding)
-        # Its own agreement: the padded chunk's sizes differ from the unpadded chunk's,
-        # and it needs no gradient when padded under no_grad.
-        reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], x.requires_grad))
+        reuse = padded_reuse(reuse, x.requires_grad)
     return x, conv_call(x, module.weight, module.bias, dim=annotation.dim, left=plan.left,
                         right=plan.right, group=(site.mesh, site.axis), stride=module.stride,
                         padding=padding, dilation=module.dilation, groups=module.groups,

@@ -43,7 +43,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
 from haloshard import _comm, _segments
-from haloshard._agree import Fields, Reuse, check_rows, gather
+from haloshard._agree import Fields, Reuse, check_rows, gather, padded_reuse
 from haloshard._annotation import Annotation
 from haloshard._attention import gather_many, sdpa
 from haloshard._compat import (
@@ -781,7 +781,7 @@ class _StripPadForward(HaloForward):
         if not self.padded:
             return super().windows_across(site, plans, stencils, reuse)
         grad = site.local.requires_grad and torch.is_grad_enabled()  # the padded chunk's
-        reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], grad))
+        reuse = padded_reuse(reuse, grad)
         # no name here holds the padded chunk: `halo_windows` frees it after the first axis
         return halo_windows(replace(site, local=_padded_chunk(site.local, self.padded)),
                             plans, stencils, reuse)
@@ -833,8 +833,7 @@ def _padded_window(site: Site, plan: WindowPlan, annotation: Annotation, reuse: 
     pads it, so the halo slices arrive padded alike), then exchanged along dim: this
     rank's window. The padded chunk is not kept: it is freed once the window is built."""
     x = _padded_chunk(site.local, pads)
-    # Its own agreement: the padded chunk's sizes differ from the unpadded chunk's.
-    reuse = (reuse[0], (reuse[1], "padded"), (reuse[2], x.requires_grad))
+    reuse = padded_reuse(reuse, x.requires_grad)
     return halo_window(replace(site, local=x), plan, annotation, reuse)
 
 

@@ -340,12 +340,11 @@ def _normalized(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor
         b = -_expand(mean, c, n, None) * a
         if bias is not None:
             b = b + bias.to(work).view(-1, *([1] * (n - 2)))
-        if x.is_contiguous():
-            return torch.addcmul(b, x.to(work), a).to(x.dtype)
-        # written into a buffer of x's layout: given b and a first, the output would take
-        # theirs (contiguous), where one device's GroupNorm keeps a channels-last input's
-        return torch.addcmul(b, x.to(work), a,
-                             out=torch.empty_like(x, dtype=work)).to(x.dtype)
+        # a strided x's output written into a buffer of its layout: given b and a first, it
+        # would take theirs (contiguous), where one device's GroupNorm keeps a channels-last
+        # input's
+        out = None if x.is_contiguous() else torch.empty_like(x, dtype=work)
+        return torch.addcmul(b, x.to(work), a, out=out).to(x.dtype)
     y = (x.to(work) - _expand(mean, c, n, seg)) * _expand(rstd, c, n, seg)
     if weight is not None:
         y = y * weight.to(work).view(-1, *([1] * (n - 2)))

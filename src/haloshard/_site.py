@@ -165,8 +165,7 @@ def rewrap(y: torch.Tensor, site: Site, dim: int, length: int) -> Any:
     `Shard(dim)` DTensor on the input's mesh and placements, `length` long along dim."""
     if site.placements is None:
         return y
-    shape = _global_shape(y, site, dim, length)
-    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    shape, stride = _global_layout(y, site, dim, length)
     return DTensor.from_local(y, site.mesh, site.placements, run_check=False, shape=shape,
                               stride=stride)
 
@@ -174,10 +173,16 @@ def rewrap(y: torch.Tensor, site: Site, dim: int, length: int) -> Any:
 def output_spec(y: torch.Tensor, site: Site, dim: int, length: int) -> DTensorSpec:
     """The spec `rewrap` gives this rank's output chunk `y` of a DTensor input."""
     assert site.placements is not None
-    shape = _global_shape(y, site, dim, length)
-    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     return DTensorSpec(site.mesh, site.placements,
-                       tensor_meta=TensorMeta(shape, stride, y.dtype))
+                       tensor_meta=TensorMeta(*_global_layout(y, site, dim, length), y.dtype))
+
+
+def _global_layout(y: torch.Tensor, site: Site, dim: int, length: int
+                   ) -> tuple[torch.Size, tuple[int, ...]]:
+    """The global shape of the output `y` is this rank's chunk of, and its contiguous
+    stride."""
+    shape = _global_shape(y, site, dim, length)
+    return shape, tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
 def _global_shape(y: torch.Tensor, site: Site, dim: int, out_length: int) -> torch.Size:
