@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from haloshard import HaloError, group_norm
+from haloshard._norms import _local_stats
 from haloshard.testing import (
     assert_close_per_rank,
     rank_map,
@@ -27,10 +28,15 @@ from haloshard.testing import (
 
 # (channels, groups, T): groups of one channel, several channels, one group; T uneven/empty.
 GEOMETRY = [(6, 3, 7), (8, 2, 5), (4, 1, 9), (4, 4, 3)]
+# float32: the statistics are sums rounded in float32 (about 1e-7 relative each) and the
+# output is under ~4 (unit variance, a weight of randn): 1e-5 is some 80 ulps of it, far
+# below a statistic taken over the wrong slices (O(0.1)).
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2 * 2**-8 * 4}
 
 
 def case_group_norm(mesh: DeviceMesh, channels: int, groups: int, length: int,
-                    dtype: torch.dtype) -> None:
+                    dtype: torch.dtype, layout: torch.memory_format = torch.contiguous_format
+                    ) -> None:
     world = mesh.size()
     with single_device():
         gen = torch.Generator().manual_seed(channels * 10 + length)
@@ -43,12 +49,13 @@ def case_group_norm(mesh: DeviceMesh, channels: int, groups: int, length: int,
         ref_w, ref_b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
         ref = F.group_norm(ref_in, groups, ref_w, ref_b, 1e-5)
         (ref * upstream).sum().backward()
-    x = rank_map(mesh, lambda r: shard(full, 2, world, r).to(dtype).clone()).requires_grad_()
+    x = rank_map(mesh, lambda r: shard(full, 2, world, r).to(dtype).contiguous(
+        memory_format=layout)).requires_grad_()
     w = weight.to(dtype).requires_grad_()
     b = bias.to(dtype).requires_grad_()
     y = group_norm(x, groups, w, b, 1e-5, mesh)
     (y * rank_map(mesh, lambda r: shard(upstream, 2, world, r).to(dtype))).sum().backward()
-    tol = 1e-10 if dtype == torch.float64 else 2 * 2**-8 * 4
+    tol = TOL[dtype]
     assert_close_per_rank(y, lambda r: shard(ref, 2, world, r).detach().to(dtype), mesh,
                           atol=tol, rtol=0)
     if dtype != torch.float64:
@@ -104,6 +111,8 @@ def on_gloo(dtype: torch.dtype) -> None:
     mesh = worker_mesh(dist.get_world_size())
     for channels, groups, length in GEOMETRY:
         case_group_norm(mesh, channels, groups, length, dtype)
+        if dtype != torch.bfloat16:  # channels-last: torch's own kernel takes it as well
+            case_group_norm(mesh, channels, groups, length, dtype, torch.channels_last_3d)
     if dtype == torch.float64:
         for geometry in SEGMENTED:
             case_segmented(mesh, *geometry)
@@ -112,8 +121,30 @@ def on_gloo(dtype: torch.dtype) -> None:
 @pytest.mark.gloo
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_gloo(gloo, world: int) -> None:
-    for dtype in (torch.float64, torch.bfloat16):
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
         gloo(world).run(on_gloo, dtype)
+
+
+def test_native_pass_where_the_kernel_applies() -> None:
+    """Real ranks normalise a dense float32/float64 chunk with torch's own GroupNorm kernel
+    (then rescaled to the global statistics: the gloo cases above check the numbers); other
+    chunks take the generic ops."""
+    from haloshard._norms import _NativePass
+
+    x = torch.randn(2, 8, 3, 4, 5)
+    assert _NativePass.of(x, 4, 1e-5, None) is not None
+    assert _NativePass.of(x.double().contiguous(memory_format=torch.channels_last_3d), 4,
+                          1e-5, None) is not None
+    frames_first = x.transpose(1, 2).contiguous().transpose(1, 2)
+    for other in (x.bfloat16(), frames_first, x[:, :, :0], x[:, :, ::2]):
+        assert _NativePass.of(other, 4, 1e-5, None) is None
+    assert _NativePass.of(x, 4, 0.0, None) is None  # eps 0: a constant chunk's rstd is inf
+    # dense channels-last with a batch of 1 whose stride is not the largest: the kernel's
+    # layout check reads it as neither layout unless it is viewed with canonical strides
+    odd = torch.randn(48).as_strided((1, 8, 3, 1, 2), (8, 1, 16, 16, 8))
+    assert _NativePass.of(odd, 4, 1e-5, None) is not None
+    stats, want = _NativePass.of(x, 4, 1e-5, None).stats(x, 1e-5), _local_stats(x, 4)
+    torch.testing.assert_close(stats, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.simulated

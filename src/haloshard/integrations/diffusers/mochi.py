@@ -202,8 +202,9 @@ def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
         for d, rows in kept.items():
             o = o.narrow(d, 0, rows)
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    return DTensor.from_local(o.contiguous(), mesh, placements, run_check=False,
-                              shape=shape, stride=stride)
+    # a view, as one device's block adds it to the residual: a copy here would transpose
+    # the whole chunk once more (C from innermost to second)
+    return DTensor.from_local(o, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def _attend_pixels(attn: nn.Module, tokens: torch.Tensor, group: Any, length: int,
@@ -322,8 +323,9 @@ def _pixel_attention_rows(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
         o = o + tokens
     o = (o / attn.rescale_output_factor).permute(0, 4, 3, 1, 2).narrow(dim, 0, n)
     stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
-    return DTensor.from_local(o.contiguous(), site.mesh, site.placements, run_check=False,
-                              shape=h.shape, stride=stride)
+    # a view, as one device's block adds it to the residual (see `_pixel_attention`)
+    return DTensor.from_local(o, site.mesh, site.placements, run_check=False, shape=h.shape,
+                              stride=stride)
 
 
 def _check_mochi_attention(attn: nn.Module, fqn: str) -> None:
