@@ -35,7 +35,7 @@ from haloshard._agree import (
 from haloshard._comm import GroupLike
 from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError
-from haloshard._exchange import length_problem, memory_format, tensor_problem
+from haloshard._exchange import length_problem, tensor_problem
 from haloshard._layout import shard_sizes
 from haloshard._segments import Segments, local_segments
 from haloshard._tracing import surfaces_errors
@@ -158,10 +158,9 @@ def _check_lengths(lengths: list[int], global_length: int) -> None:
 
 def _gather_stats(x: torch.Tensor, groups: int, eps: float, weight: Any, bias: Any,
                   problem: str | None, grp: _comm.Group, seg: Segments | None,
-                  along: _Along, local: torch.Tensor | None = None) -> torch.Tensor:
+                  along: _Along) -> torch.Tensor:
     """Every rank's `(3, B, G)` statistics, `(P, 3, B, G)`, after every rank has agreed on
-    the arguments (in the same all-gather: see `_BLOCK`); `local`: this rank's, when
-    already computed (`_NativePass`)."""
+    the arguments (in the same all-gather: see `_BLOCK`)."""
     if problem is None and seg is not None and _comm.is_eager(x) and (
             seg.ids.shape[0] != x.shape[along.dim]):
         problem = (f"group_norm: this rank's chunk has {x.shape[along.dim]} slices along dim "
@@ -170,7 +169,7 @@ def _gather_stats(x: torch.Tensor, groups: int, eps: float, weight: Any, bias: A
     meta = torch.tensor(_meta_row(x, groups, eps, weight, bias, problem is not None, along),
                         dtype=torch.float64, device=_device(x))
     if problem is None:
-        local = _local_stats(x, groups, seg) if local is None else local
+        local = _local_stats(x, groups, seg)
         flat = local.reshape(-1).to(torch.float64)
     else:
         flat = meta.new_zeros(0)
@@ -214,70 +213,6 @@ def _local_stats(x: torch.Tensor, num_groups: int, seg: Segments | None = None
     else:  # an empty chunk (count 0, mean 0, M2 0), or per-rank sizes (simulated)
         m2_c = ((xf - at) ** 2).sum(within)
     return _group_stats(mean_c, m2_c, per_channel, num_groups)
-
-
-@dataclass(frozen=True)
-class _NativePass:
-    """A dense chunk normalised by torch's own GroupNorm kernel with its local statistics
-    (one pass that reads the chunk once for the statistics and writes the output once, as
-    one device's GroupNorm does), and those statistics. Once the global ones are known,
-    `rescaled` turns the output into the global normalisation in place:
-    `(x - m) r = y_local (r / r_local) + (m_local - m) r`."""
-
-    out: torch.Tensor  # (x - mean_local) * rstd_local, in x's memory format
-    mean: torch.Tensor  # (B, G)
-    rstd: torch.Tensor  # (B, G): 1 / sqrt(var_local + eps)
-
-    @staticmethod
-    def of(x: torch.Tensor, groups: int, eps: float, seg: Segments | None
-           ) -> _NativePass | None:
-        """The pass on this rank's chunk; None where the kernel does not apply: segments,
-        another dtype, an empty chunk, a layout it does not take (it needs x dense in its
-        own memory format), or traced / simulated tensors (the generic ops there)."""
-        per_row = math.prod(x.shape[2:])
-        if (seg is not None or not _comm.is_eager(x) or x.ndim < 3 or not eps > 0
-                or x.dtype not in (torch.float32, torch.float64) or per_row == 0
-                or not x.is_contiguous(memory_format=memory_format(x))):
-            return None
-        out, mean, rstd = torch.ops.aten.native_group_norm(
-            _canonical(x), None, None, x.shape[0], x.shape[1], per_row, groups, eps)
-        return _NativePass(out, mean, rstd)
-
-    def stats(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        """`(3, B, G)` count, mean and M2 of this rank's chunk: the variance from the
-        kernel's rstd, `1 / rstd^2 - eps` (its rounding error is that of `var + eps`, well
-        below what the global `var + eps` resolves)."""
-        count = self.mean.new_full(self.mean.shape, math.prod(x.shape[1:]) // self.mean.shape[1])
-        m2 = (self.rstd.reciprocal().square() - eps).clamp_(min=0.0) * count
-        return torch.stack([count, self.mean, m2])
-
-    def rescaled(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-        """The output normalised with the global `(B, G)` mean and rstd (and the affine),
-        written over the local one: `out * a + b`, `a = (rstd / rstd_local) w`,
-        `b = ((mean_local - mean) rstd) w + bias`, per (batch, channel)."""
-        c, n, dtype = self.out.shape[1], self.out.ndim, self.out.dtype
-        a = _expand(rstd / self.rstd, c, n, None)
-        b = _expand((self.mean - mean) * rstd, c, n, None)
-        if weight is not None:
-            w = weight.to(dtype).view(-1, *([1] * (n - 2)))
-            a, b = a * w, b * w
-        if bias is not None:
-            b = b + bias.to(dtype).view(-1, *([1] * (n - 2)))
-        return torch.addcmul(b, self.out, a, out=self.out)
-
-
-def _canonical(x: torch.Tensor) -> torch.Tensor:
-    """`x` (dense in its memory format) viewed with that format's own strides: the same
-    elements, the strides of size-1 dims set as the kernel's layout check expects them
-    (e.g. a batch of 1 whose stride is not the largest reads as another layout there)."""
-    order = list(range(x.ndim))  # outermost first
-    if memory_format(x) != torch.contiguous_format:
-        order = [0, *range(2, x.ndim), 1]
-    strides, step = [0] * x.ndim, 1
-    for d in reversed(order):
-        strides[d], step = step, step * x.shape[d]
-    return x.as_strided(x.shape, strides, x.storage_offset())
 
 
 # blocks of dim 2 per chunk in `_squared_deviations`
@@ -434,10 +369,9 @@ class _GroupNormFn(torch.autograd.Function):
                 bias: torch.Tensor | None, groups: int, eps: float, grp: _comm.Group,
                 seg: Segments | None, more: tuple[_comm.Group, ...], along: _Along,
                 problem: str | None) -> torch.Tensor:
-        problem = problem or _norm_problem(x, groups, weight, bias)
-        native = None if problem is not None else _NativePass.of(x, groups, eps, seg)
-        stats = _gather_stats(x, groups, eps, weight, bias, problem, grp, seg, along,
-                              None if native is None else native.stats(x, eps))
+        stats = _gather_stats(x, groups, eps, weight, bias,
+                              problem or _norm_problem(x, groups, weight, bias), grp, seg,
+                              along)
         for other in more:  # another mesh axis shards a second dim: combine over it too
             stats = _comm.all_gather(_combined(stats).unsqueeze(0), other,
                                      "group_norm statistics all-gather")
@@ -446,8 +380,6 @@ class _GroupNormFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight, mean, rstd, stats[:, 0].sum(0))
         ctx.grp, ctx.bias_dtype, ctx.seg = grp, None if bias is None else bias.dtype, seg
         ctx.more = more
-        if native is not None:
-            return native.rescaled(weight, bias, mean, rstd)
         return _normalized(x, weight, bias, mean, rstd, seg)
 
     @staticmethod
