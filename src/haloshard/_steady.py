@@ -88,8 +88,8 @@ class Steady:
         return sharded_conv(x, module.weight, module.bias, self.call, self.output_spec)
 
     def output_spec(self, y: torch.Tensor) -> DTensorSpec:
-        # a fresh spec per output, as torch's own wrappers make (specs may be edited)
-        return copy.copy(self.out_spec)
+        # one spec for every output, as torch's own dispatch shares its cached output specs
+        return self.out_spec
 
 
 def steady_of(x: Any, out: Any, module: nn.Module, call: ConvCall, store: Agreements,
@@ -156,5 +156,5 @@ class _ShardedConv(torch.autograd.Function):
             spec = ctx.in_spec
             g_x = (DTensor.from_local(g_x, spec.mesh, spec.placements, shape=spec.shape,
                                       stride=spec.stride)
-                   if graph else dtensor_of(g_x, copy.copy(spec)))
+                   if graph else dtensor_of(g_x, spec))
         return g_x, g_w, g_b, None, None
