@@ -42,10 +42,6 @@ from haloshard.testing import seeded_randn, simulated_mesh, single_device, worke
 pytest.importorskip("diffusers")
 
 TOL = {"atol": 1e-10, "rtol": 1e-10}
-# Mochi's encoder: FourierFeatures' float32 sin and cos of arguments up to ~3e3 round alike
-# only to float32's spacing there (tests/test_diffusers.py, MOCHI_ENCODER_TOL); O(1) for a
-# misplaced row or frame.
-MOCHI_ENCODER_TOL = {"atol": 1e-3, "rtol": 1e-3}
 
 
 def hunyuan() -> nn.Module:
@@ -173,11 +169,9 @@ def case(mesh: DeviceMesh, name: str, part: str, shape: tuple[int, ...],
     module = getattr(vae, part)
     # (output, conv_cache)
     run = (lambda m, t: m(t)[0]) if name in ("mochi", "cogvideox") else None
-    # Mochi's FourierFeatures computes in float32 (see test_diffusers.MOCHI_ENCODER_TOL)
-    tol = MOCHI_ENCODER_TOL if (name, part) == ("mochi", "encoder") else TOL
     with _rms_in_input_dtype():
         check(mesh, module, plan_for(module, dims=dims),
-              seeded_randn(shape, 1, torch.float64), [Shard(d) for d in dims], tol, run)
+              seeded_randn(shape, 1, torch.float64), [Shard(d) for d in dims], TOL, run)
 
 
 # (model, part, world, input shape): H and W differ, so that a style sharding the wrong

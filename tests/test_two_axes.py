@@ -156,6 +156,8 @@ def check_two_axes(mesh: DeviceMesh, model: nn.Module, plan: dict[str, Any],
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         got = DTensor.from_local(p.grad, mesh, [Replicate()] * mesh.ndim, run_check=False)
         torch.testing.assert_close(got.full_tensor(), q.grad, **TOL)
+    with torch.no_grad():  # inference: real ranks build each two-axis window in one buffer
+        torch.testing.assert_close(model(x.detach()).full_tensor(), y_ref.detach(), **TOL)
 
 
 def case_refusal(mesh: DeviceMesh) -> None:

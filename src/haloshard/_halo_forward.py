@@ -36,7 +36,7 @@ from haloshard._compat import (
 )
 from haloshard._conv import ConvCall, conv_call
 from haloshard._errors import HaloError
-from haloshard._exchange import Reuse, exchange
+from haloshard._exchange import Reuse, empty_like_layout, exchange, prepare_halo
 from haloshard._forward import INSIDE as _INSIDE
 from haloshard._forward import (
     ShardedForward,
@@ -391,6 +391,8 @@ def halo_windows(site: Site, plans: list[tuple[int, int, WindowPlan]],
     # `site` no longer holds the chunk: a chunk made for this call (padded first) is freed
     # once the first window is built
     x, site = site.local, replace(site, local=_NO_CHUNK)
+    if _in_one_buffer(x, site, plans):
+        return _windows_in_one_buffer(x, site, plans, stencils, reuse)
     for i, ((axis, d, plan), stencil) in enumerate(zip(plans, stencils, strict=True)):
         try:
             x = halo_window(replace(site, local=x, axis=axis, dim=d), plan,
@@ -403,6 +405,61 @@ def halo_windows(site: Site, plans: list[tuple[int, int, WindowPlan]],
 
 
 _NO_CHUNK = torch.empty(0)
+
+
+def _in_one_buffer(x: torch.Tensor, site: Site, plans: list[tuple[int, int, WindowPlan]]
+                   ) -> bool:
+    """Whether `halo_windows` builds the windows in one buffer: inference (no autograd
+    node to keep per axis) on real ranks, several axes, each window the whole exchanged
+    chunk (no strided or trimmed window)."""
+    if torch.is_grad_enabled() or len(plans) < 2 or not _comm.is_eager(x):
+        return False
+    for axis, d, plan in plans:
+        rank = site.mesh.get_local_rank(axis)
+        start, length, zeros = pick(rank, plan.win_start, plan.win_len, plan.win_zeros)
+        if (start, length, zeros) != (0, plan.left + x.shape[d] + plan.right, 0):
+            return False
+    return True
+
+
+def _windows_in_one_buffer(x: torch.Tensor, site: Site,
+                           plans: list[tuple[int, int, WindowPlan]], stencils: list[Stencil],
+                           reuse: Reuse) -> torch.Tensor:
+    """`halo_windows` in inference: the chunk copied once into a buffer of the last window's
+    shape, then each axis's halos written into it in turn, the later axis sending the rows
+    of the earlier one's window (a view of the buffer), as the exchanges one after the other
+    would; each of those copied the whole window again."""
+    sizes, shape = list(x.shape), list(x.shape)
+    for _, d, plan in plans:
+        shape[d] += plan.left + plan.right
+    buf = empty_like_layout(x, shape)
+
+    def center(t: torch.Tensor, axes: list[tuple[int, int, WindowPlan]]) -> torch.Tensor:
+        for _, d, plan in axes:
+            t = t.narrow(d, plan.left, sizes[d])
+        return t
+
+    center(buf, plans).copy_(x)
+    del x
+    for i, ((axis, d, plan), stencil) in enumerate(zip(plans, stencils, strict=True)):
+        window = center(buf, plans[i + 1 :])  # this axis's window: later axes not yet added
+        chunk = window.narrow(d, plan.left, window.shape[d] - plan.left - plan.right)
+        try:
+            move, _ = prepare_halo(chunk, plan.left, plan.right, d, (site.mesh, axis),
+                                   pad=_exchange_pad(stencil, plan), global_length=plan.length,
+                                   reuse=reuse)
+            if move is not None:
+                move.fill(window, chunk, move.start(chunk))
+        except HaloError:
+            _fail_later_axes(replace(site, local=window), plans[i + 1 :], stencils[i + 1 :],
+                             reuse)
+            raise
+        if stencil.fill is not None and plan.left + plan.right:
+            rank = site.mesh.get_local_rank(axis)
+            window.masked_fill_(_outside(rank, plan.length, site.mesh.size(axis), plan.left,
+                                         plan.right, window.ndim, d, window.device),
+                                stencil.fill)
+    return buf
 
 
 def _fail_later_axes(site: Site, plans: list[tuple[int, int, WindowPlan]],
