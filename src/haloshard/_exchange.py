@@ -12,7 +12,7 @@ from, on its owner.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 import torch
@@ -639,6 +639,9 @@ class HaloMove:
     send_idx: torch.Tensor
     self_idx: torch.Tensor
     route: _Route
+    # `_runs` per gap: every input of `_plan_runs` is the route's, fixed for the move
+    _runs_of: dict[int | None, _Runs | None] = field(default_factory=dict, compare=False,
+                                                     repr=False)
 
     def _fill_index(self, device: torch.device, gap: int | None) -> HaloFill[torch.Tensor]:
         r = self.route
@@ -649,9 +652,12 @@ class HaloMove:
         """The copies as runs, for plain eager tensors (None: index ops)."""
         if not _comm.is_eager(t):
             return None
-        r = self.route
-        rank = cast(int, r.group.rank)  # eager: an int (a SymInt only on simulated ranks)
-        return _plan_runs(rank, r.lengths, r.left, r.right, r.pad, gap, r.held)
+        if gap not in self._runs_of:
+            r = self.route
+            rank = cast(int, r.group.rank)  # eager: an int (a SymInt only on simulated ranks)
+            self._runs_of[gap] = _plan_runs(rank, r.lengths, r.left, r.right, r.pad, gap,
+                                            r.held)
+        return self._runs_of[gap]
 
     def zero_slots(self, t: torch.Tensor, gap: int) -> frozenset[int]:
         """Positions of a `left + gap + right` halo buffer that `fill` leaves zero (zero
