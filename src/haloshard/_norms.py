@@ -35,7 +35,7 @@ from haloshard._agree import (
 from haloshard._comm import GroupLike
 from haloshard._compat import maybe_run_for_local_tensor
 from haloshard._errors import HaloError
-from haloshard._exchange import length_problem, tensor_problem
+from haloshard._exchange import length_problem, memory_format, tensor_problem
 from haloshard._layout import shard_sizes
 from haloshard._segments import Segments, local_segments
 from haloshard._tracing import surfaces_errors
@@ -215,20 +215,28 @@ def _local_stats(x: torch.Tensor, num_groups: int, seg: Segments | None = None
     return _group_stats(mean_c, m2_c, per_channel, num_groups)
 
 
-# blocks of dim 2 per chunk in `_squared_deviations`
+# blocks of dim 2 per chunk in `_squared_deviations`, and the fewest elements a block holds
+# (a smaller one costs more in per-op overhead than its temporary saves)
 _BLOCKS = 16
+_MIN_BLOCK = 1 << 18
 
 
 def _squared_deviations(xf: torch.Tensor, mean: torch.Tensor, within: tuple[int, ...]
                         ) -> torch.Tensor:
-    """`((xf - mean) ** 2).sum(within)`, block by block along dim 2: the deviations and
-    their squares are block-sized temporaries, not chunk-sized (two more passes over
-    the whole chunk, written out, than one device's GroupNorm makes)."""
-    size = -(-xf.shape[2] // _BLOCKS)
+    """`((xf - mean) ** 2).sum(within)`, block by block along dim 2: the deviations are
+    block-sized temporaries (a 16th of the chunk, at least `_MIN_BLOCK` elements), not
+    chunk-sized. Their squares are summed by `vector_norm`, without a second temporary (a
+    channels-last chunk squares and sums: `vector_norm` reduces its strided dims slower).
+    The temporaries, not the arithmetic, are what cost here: one pass over the chunk more
+    than one device's GroupNorm makes."""
+    slices = xf.shape[2]
+    size = max(-(-slices // _BLOCKS), -(-_MIN_BLOCK * slices // max(xf.numel(), 1)), 1)
+    dense = memory_format(xf) == torch.contiguous_format
     total = None
     for block in xf.split(size, 2):
         d = block - mean
-        part = (d * d).sum(within)
+        part = torch.linalg.vector_norm(d, 2, within).square_() if dense else (d * d).sum(
+            within)
         total = part if total is None else total.add_(part)
     assert total is not None
     return total
