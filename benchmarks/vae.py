@@ -45,7 +45,12 @@ docs/diffusers.md says to call: `cogvideox_*`, `wan_*`, `mochi_decode`.
 
 Tables, one per mode and dims setting: the busiest rank of each P, the ratios
 `act * P / act(P=1)` and `compute * P / compute(P=1)` against the targets 1.15 and 1.10
-(halo slices not subtracted). With `--approx`, on one device: `enable_tiling()` with two
+(halo slices not subtracted). `--floor` adds, per P and setting, one device's public call
+on the first rank's share of the input (its latent frames and rows, no halo, no
+communication, attention over the share alone): the compute a rank pays at least with the
+model's own kernels at that size, exact formulation or not. Its columns: `floor*P/one` (over
+1.10, no formulation meets the compute target at this size) and `compute/floor` (what the
+rank pays beyond it). With `--approx`, on one device: `enable_tiling()` with two
 spatial tiles per axis (stride half the clip's side, tiles a quarter of a stride longer:
 smaller than the clip, so tiling happens), and temporal tiles of half the clip where the
 model has them (HunyuanVideo: its default; LTX), for decode and encode: time, peak, and the
@@ -329,6 +334,26 @@ def _sharded(full: torch.Tensor, device: str, grad: bool, dims: tuple[int, ...]
                               shape=full.shape, stride=full.stride()), local
 
 
+def _share(full: torch.Tensor, name: str, config: str, mode: str,
+           share: list[tuple[int, int]]) -> torch.Tensor:
+    """The first rank's share of the input, for `(dim, ranks along it)` in `share`: its
+    latent frames and rows (torch.chunk's, the largest), as the latent or as the video that
+    encodes to them (`1 + k t` frames, rows times the spatial factor)."""
+    model = vae_models.MODELS[name]
+    for dim, n in share:
+        latent = -(-full.shape[dim] // n) if mode == "decode" else None
+        if latent is None and dim == 2:
+            latent = -(-((full.shape[2] - 1) // model.temporal + 1) // n)
+            length = 1 + (latent - 1) * model.temporal
+        elif latent is None:
+            length = -(-(full.shape[dim] // model.spatial[config]) // n) * model.spatial[
+                config]
+        else:
+            length = latent
+        full = full.narrow(dim, 0, length)
+    return full
+
+
 def _local(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """The rank's shard on `dims`. A public call that ends in a slice along a sharded dim
     (Mochi's decode drops its first frames) returns a `Replicate` DTensor there (DTensor
@@ -355,6 +380,9 @@ class _Run:
             self.full = seeded_randn(shape, 1, torch.float32).to(self.device)
         else:
             self.full = seeded_randn(video, 1, torch.float32).to(self.device)
+        if job.get("share"):  # a floor run: one device on one rank's share (`_share`)
+            self.full = _share(self.full, self.name, job["config"], self.mode,
+                               job["share"])
         self.x, self.leaf = _sharded(self.full, self.device, self.mode == "train", self.dims)
         self.upstream: torch.Tensor | None = None
         if self.mode == "train":
@@ -454,7 +482,9 @@ def rank_run(job: dict[str, Any]) -> dict[str, Any]:
                latent_frames=z.shape[2], latent_rows=z.shape[3], frames=run.leaf.shape[2])
     path = os.path.join(job["ref_dir"], f"{job['name']}-{job['mode']}.pt")
     result = _result(run, y)
-    if dist.get_world_size() == 1:
+    if job.get("share"):
+        row["diff"] = row["rel"] = float("nan")
+    elif dist.get_world_size() == 1:
         torch.save(result, path)
         if run.mode == "train":
             torch.save({n: p.grad.cpu() for n, p in run.vae.named_parameters()
@@ -619,6 +649,24 @@ def _jobs(args: argparse.Namespace, ref_dir: str, p: int,
                  "warmup": args.warmup, "ref_warmup": args.ref_warmup,
                  "approx": args.approx, "ref_dir": ref_dir}
                 for mode in args.modes]
+    if p == 1 and args.floor:
+        jobs += _floor_jobs(args, jobs, refused)
+    return jobs
+
+
+def _floor_jobs(args: argparse.Namespace, refs: list[dict[str, Any]],
+                refused: dict[tuple[str, tuple[int, ...]], str]) -> list[dict[str, Any]]:
+    """One device on the first rank's share of each P > 1 setting's input (`--floor`): the
+    model's own compute and memory on what a rank holds, with no halo, no communication and
+    attention over the share alone, a lower bound on what any formulation of a rank's part
+    pays (exact or not)."""
+    jobs = []
+    for p in sorted(set(args.ranks) - {1}):
+        for dims in _settings(args, p):
+            mesh = (p,) if len(dims) == 1 else (p // 2, 2)
+            jobs += [{**ref, "share": list(zip(dims, mesh, strict=True)), "approx": False,
+                      "floor_of": (p, dims), "warmup": args.warmup} for ref in refs
+                     if (ref["name"], dims) not in refused]
     return jobs
 
 
@@ -638,6 +686,9 @@ def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float,
         for job in jobs:
             record = {"model": job["name"], "mode": job["mode"], "P": p,
                       "dims": list(job["dims"])}
+            if job.get("share"):  # one device on the share of a rank of `floor_of`'s P
+                record.update(P=job["floor_of"][0], dims=list(job["floor_of"][1]),
+                              floor=True)
             try:
                 record["ranks"] = world.run(rank_run, job)
             except (AssertionError, TimeoutError) as exc:
@@ -651,7 +702,7 @@ def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float,
 
 def _progress(record: dict[str, Any]) -> str:
     head = (f"# {record['model']} {record['mode']} P={record['P']} "
-            f"sharded {_label(record['dims'])}:")
+            f"sharded {_label(record['dims'])}{' (floor)' if record.get('floor') else ''}:")
     if "refused" in record:
         return f"{head} refused: {record['refused']}"
     if "error" in record:
@@ -691,6 +742,9 @@ def _parser() -> argparse.ArgumentParser:
                              "allocations are the same at every call, only its time changes")
     parser.add_argument("--approx", action="store_true",
                         help="also diffusers' tiling and framewise runs on one device")
+    parser.add_argument("--floor", action="store_true",
+                        help="also one device on a rank's share of each P's input: the "
+                             "compute a rank pays at least, beside what it pays")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
     parser.add_argument("--out", help="write every rank's numbers here (JSON, after each run)")
     return parser
@@ -757,12 +811,14 @@ def _where(row: dict[str, Any]) -> str:
     return " in ".join(row["where"].split(" < ")[:2]) or "?"
 
 
-def _row(record: dict[str, Any], one: dict[str, Any] | None) -> str:
-    head = f"| {record['model']} | {record['P'] or '-'} |"
+def _row(record: dict[str, Any], one: dict[str, Any] | None,
+         floor: dict[str, Any] | None = None, floors: bool = False) -> str:
+    """A table row; with `floors`, the two floor columns (`_floor_cells`) after it."""
+    head, gap = f"| {record['model']} | {record['P'] or '-'} |", "||" if floors else ""
     if "refused" in record:
-        return f"{head} refused: {record['refused'][:300]} ||||||||||"
+        return f"{head} refused: {record['refused'][:300]} ||||||||||{gap}"
     if "error" in record:
-        return f"{head} failed: {record['error'].strip().splitlines()[-1][:200]} ||||||||||"
+        return f"{head} failed: {record['error'].strip().splitlines()[-1][:200]} ||||||||||{gap}"
     ranks, p = record["ranks"], record["P"]
     top = max(ranks, key=lambda r: r["act"])
     act, compute = top["act"], max(r["compute"] for r in ranks)
@@ -778,7 +834,18 @@ def _row(record: dict[str, Any], one: dict[str, Any] | None) -> str:
             f"{max(r['wall'] for r in ranks):.2f} | "
             f"{max(r['sent'] for r in ranks) / MiB:.2f} | "
             f"{max(r['diff'] for r in ranks):.1e} ({max(r['rel'] for r in ranks):.0e}) | "
-            f"{_where(top)} |")
+            f"{_where(top)} |{_floor_cells(compute, p, one, floor) if floors else ''}")
+
+
+def _floor_cells(compute: float, p: int, one: dict[str, Any] | None,
+                 floor: dict[str, Any] | None) -> str:
+    """`floor*P/one` and `compute/floor`: the rank's compute bound by the model itself (one
+    device on a rank's share, `--floor`) and the rank's compute over it."""
+    if p == 1 or floor is None or "ranks" not in floor or one is None or "ranks" not in one:
+        return " - | - |"
+    least = floor["ranks"][0]["compute"]
+    base = max(r["compute"] for r in one["ranks"])
+    return f" {least * p / base:.3f} | {compute / least:.3f} |"
 
 
 def _approx_rows(record: dict[str, Any]) -> list[str]:
@@ -804,12 +871,16 @@ def _table(records: list[dict[str, Any]], args: argparse.Namespace, mode: str,
            dims: tuple[int, ...]) -> list[str]:
     """One mode with `dims` sharded: per model, one device's row, then each P's busiest
     rank (or the plan's refusal)."""
-    lines = ["", f"{mode}, {_label(dims)} sharded:", "", *_HEADER]
+    header = _HEADER if not args.floor else [
+        _HEADER[0] + " floor*P/one | compute/floor |", _HEADER[1] + "---|---|"]
+    lines = ["", f"{mode}, {_label(dims)} sharded:", "", *header]
     for name in args.models:
         mine = [r for r in records if r["model"] == name and r["mode"] == mode]
         one = next((r for r in mine if r["P"] == 1), None)
-        lines += [_row(r, one) for r in sorted(mine, key=lambda r: r["P"] or 0)
-                  if r["P"] == 1 or tuple(r["dims"]) == dims]
+        floors = {r["P"]: r for r in mine if r.get("floor") and tuple(r["dims"]) == dims}
+        lines += [_row(r, one, floors.get(r["P"]), args.floor)
+                  for r in sorted(mine, key=lambda r: r["P"] or 0)
+                  if not r.get("floor") and (r["P"] == 1 or tuple(r["dims"]) == dims)]
     return lines
 
 

@@ -42,7 +42,15 @@ TINY = ["--config", "tiny", "--frames", "9", "--size", "32", "--warmup", "0",
 def _check(records: list[dict[str, Any]], modes: list[str], models: list[str]) -> None:
     """One device and P = 2 on T for every model; on H, P = 2 for the models `plan_for`
     shards there and one refusal per mode for the others (LTX-Video's patch_size=4
-    encoder)."""
+    encoder); with `--floor`, one device on a rank's share beside every P = 2 run."""
+    floors = {(r["model"], r["mode"], r["P"], tuple(r["dims"])): r for r in records
+              if r.get("floor")}
+    records = [r for r in records if not r.get("floor")]
+    assert floors.keys() == {(r["model"], r["mode"], r["P"], tuple(r["dims"]))
+                             for r in records if r["P"] not in (1, None)}
+    for floor in floors.values():
+        assert "error" not in floor, floor["error"]
+        assert floor["ranks"][0]["compute"] > 0, floor
     on_h = {r["model"] for r in records if r["dims"] == [3] and "refused" not in r}
     assert {"hunyuan", "cogvideox", "mochi", "wan"} <= on_h, on_h
     assert {(r["model"], r["mode"], r["P"], tuple(r["dims"])) for r in records} == {
@@ -69,7 +77,7 @@ def test_every_model_every_mode(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     models, modes = sorted(vae.vae_models.MODELS), list(vae.MODES)
     out = tmp_path / "results.json"
     records = vae.main([*TINY, "--ranks", "2", "--dims", "2", "--dims", "3", "--approx",
-                        "--out", str(out)])
+                        "--floor", "--out", str(out)])
     _check(records, modes, models)
     hunyuan = next(r for r in records
                    if r["model"] == "hunyuan" and r["mode"] == "decode" and r["P"] == 1)
@@ -79,6 +87,7 @@ def test_every_model_every_mode(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert all(row["max_abs"] > 0 and row["psnr"] < 100 for row in approx.values()), approx
     printed = capsys.readouterr().out
     for header in ("decode, T sharded:", "encode, H sharded:", "train, H sharded:",
+                   "compute/floor |",
                    "decode, diffusers' approximations", "| ltx | - | refused: "):
         assert header in printed
     assert json.loads(out.read_text())["records"] == json.loads(json.dumps(records))
