@@ -665,7 +665,7 @@ def _floor_jobs(args: argparse.Namespace, refs: list[dict[str, Any]],
         for dims in _settings(args, p):
             mesh = (p,) if len(dims) == 1 else (p // 2, 2)
             jobs += [{**ref, "share": list(zip(dims, mesh, strict=True)), "approx": False,
-                      "floor_of": (p, dims), "warmup": args.warmup} for ref in refs
+                      "floor_of": (p, dims)} for ref in refs
                      if (ref["name"], dims) not in refused]
     return jobs
 
