@@ -717,3 +717,28 @@ def test_conv2d_halo_on_width() -> None:
         (yf * upstream).sum().backward()
         check_local(x.grad.full_tensor(), lambda r: ref_in.grad, mesh, **GRAD_TOL)
         check_local(wd.grad.full_tensor(), lambda r: ref_w.grad, mesh, **GRAD_TOL)
+
+
+def on_gloo_layout() -> None:
+    """A channels-last chunk of a batch of 1 stays channels-last through the unwrap every
+    style's site makes, and so through torch's own layers after it (GroupNorm keeps its
+    output channels-last, as on one device; so do the convs that take it)."""
+    mesh = worker_mesh(dist.get_world_size())
+    chunk = _data((1, 4, 3, 5, 6), 0).contiguous(memory_format=torch.channels_last_3d)
+    dt = DTensor.from_local(chunk, mesh, [Shard(2)], run_check=False)
+    channels_last = torch.channels_last_3d
+    assert F.group_norm(chunk, 2).is_contiguous(memory_format=channels_last)
+    # DTensor's own view gives the batch of 1 another stride, which torch's layout checks
+    # then read as not channels-last
+    assert not F.group_norm(dt.to_local(), 2).is_contiguous(memory_format=channels_last)
+    local = unwrap(dt)
+    assert local.stride() == chunk.stride() and local.data_ptr() == chunk.data_ptr()
+    assert F.group_norm(local, 2).is_contiguous(memory_format=channels_last)
+    plain = _data((1, 4, 3, 5, 6), 0)  # the standard layout keeps its strides too
+    assert unwrap(DTensor.from_local(plain, mesh, [Shard(2)], run_check=False)
+                  ).stride() == plain.stride()
+
+
+@pytest.mark.gloo
+def test_gloo_channels_last_kept(gloo) -> None:
+    gloo(2).run(on_gloo_layout)

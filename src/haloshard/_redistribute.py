@@ -32,7 +32,8 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from haloshard._compat import local_tensor, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
-from haloshard._exchange import halo_exchange, widen
+from haloshard import _comm
+from haloshard._exchange import halo_exchange, memory_format, widen
 from haloshard._layout import HaloShard, check_pad_fits, shard_sizes
 from haloshard._tracing import planner_cache, surfaces_errors
 
@@ -112,13 +113,31 @@ class _Unwrap(torch.autograd.Function):
         ctx: Any, dt: DTensor, grad_placements: tuple[Placement, ...]
     ) -> torch.Tensor:
         ctx.meta = (dt.device_mesh, grad_placements, dt.shape, dt.stride())
-        local = dt.to_local()
-        return local.view_as(local)
+        return layout_view(dt.to_local())
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor | None, None]:  # type: ignore[override]
         mesh, placements, shape, stride = ctx.meta
         return DTensor.from_local(grad, mesh, placements, shape=shape, stride=stride), None
+
+
+def layout_view(t: torch.Tensor) -> torch.Tensor:
+    """A fresh view of `t` (as `view_as`) with the strides a new tensor of its memory format
+    has. `view_as` (which DTensor's `from_local` and `to_local` call) gives a size-1 dim of
+    a channels-last tensor, a batch of 1, another stride; it addresses no memory, but
+    torch's layout checks (`suggest_memory_format`: the convs', GroupNorm's) then read the
+    chunk as not channels-last: a conv copies it to the standard layout, and every layer
+    after runs in that layout where one device keeps channels-last."""
+    fmt = memory_format(t)
+    if fmt == torch.contiguous_format or not _comm.is_eager(t):
+        return t.view_as(t)
+    # channels-last: C innermost, then the spatial dims from the last, then the batch
+    order = [1, *range(t.ndim - 1, 1, -1), 0]
+    strides, step = [0] * t.ndim, 1
+    for d in order:
+        strides[d] = step
+        step *= max(t.shape[d], 1)
+    return t.as_strided(t.shape, strides, t.storage_offset())
 
 
 def local_grad(grad: Any, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:
