@@ -45,12 +45,14 @@ docs/diffusers.md says to call: `cogvideox_*`, `wan_*`, `mochi_decode`.
 
 Tables, one per mode and dims setting: the busiest rank of each P, the ratios
 `act * P / act(P=1)` and `compute * P / compute(P=1)` against the targets 1.15 and 1.10
-(halo slices not subtracted). `--floor` adds, per P and setting, one device's public call
-on the first rank's share of the input (its latent frames and rows, no halo, no
-communication, attention over the share alone): the compute a rank pays at least with the
-model's own kernels at that size, exact formulation or not. Its columns: `floor*P/one` (over
-1.10, no formulation meets the compute target at this size) and `compute/floor` (what the
-rank pays beyond it). With `--approx`, on one device: `enable_tiling()` with two
+(halo slices not subtracted). `--floor` adds, per P and setting, a run of the same P
+processes in which each calls one device's public call on its own share of the input (its
+latent frames and rows; no halo, no communication, attention over the share alone), at
+once, as the sharded ranks run, so they share the machine's cores and memory bandwidth
+alike: the compute a rank pays at least with the model's own kernels at that size, exact
+formulation or not. Its columns: `floor*P/one` (over 1.10, no formulation meets the
+compute target at this size on this machine) and `compute/floor` (what the busiest rank
+pays beyond it). With `--approx`, on one device: `enable_tiling()` with two
 spatial tiles per axis (stride half the clip's side, tiles a quarter of a stride longer:
 smaller than the clip, so tiling happens), and temporal tiles of half the clip where the
 model has them (HunyuanVideo: its default; LTX), for decode and encode: time, peak, and the
@@ -308,16 +310,18 @@ def _shard_of(full: torch.Tensor, coords: list[tuple[int, int, int]]) -> torch.T
     return full
 
 
-def _model(name: str, config: str, device: str, dims: tuple[int, ...]) -> nn.Module:
-    """The VAE, built once per world and dims (parallelized when P > 1: `plan_for(vae,
-    dims=dims)` on the mesh's first axis, T's where T is sharded); the previous one freed."""
-    key = (name, config, device, dims)
+def _model(name: str, config: str, device: str, dims: tuple[int, ...], planned: bool = True
+           ) -> nn.Module:
+    """The VAE, built once per world and dims (parallelized when P > 1 and `planned`:
+    `plan_for(vae, dims=dims)` on the mesh's first axis, T's where T is sharded); the
+    previous one freed."""
+    key = (name, config, device, dims, planned)
     if _CACHE.get("key") != key:
         _CACHE.pop("vae", None)
         gc.collect()
         mesh = _mesh(device, dims) if dist.get_world_size() > 1 else None  # sets the GPU
         vae = vae_models.build(name, config).to(device)
-        if mesh is not None:
+        if mesh is not None and planned:
             parallelize_module(vae, mesh[_AXES[dims][0]], vae_models.plan(vae, dims))
         _CACHE["key"], _CACHE["vae"] = key, vae
     return _CACHE["vae"]
@@ -335,21 +339,21 @@ def _sharded(full: torch.Tensor, device: str, grad: bool, dims: tuple[int, ...]
 
 
 def _share(full: torch.Tensor, name: str, config: str, mode: str,
-           share: list[tuple[int, int]]) -> torch.Tensor:
-    """The first rank's share of the input, for `(dim, ranks along it)` in `share`: its
-    latent frames and rows (torch.chunk's, the largest), as the latent or as the video that
-    encodes to them (`1 + k t` frames, rows times the spatial factor)."""
+           coords: list[tuple[int, int, int]]) -> torch.Tensor | None:
+    """This rank's share of the input on every sharded dim (`coords`): its latent frames
+    and rows (torch.chunk's split of the latent), as the latent or as the video that encodes
+    to them (`1 + k t` frames, rows times the spatial factor); None where it holds none."""
     model = vae_models.MODELS[name]
-    for dim, n in share:
-        latent = -(-full.shape[dim] // n) if mode == "decode" else None
-        if latent is None and dim == 2:
-            latent = -(-((full.shape[2] - 1) // model.temporal + 1) // n)
-            length = 1 + (latent - 1) * model.temporal
-        elif latent is None:
-            length = -(-(full.shape[dim] // model.spatial[config]) // n) * model.spatial[
-                config]
-        else:
-            length = latent
+    for dim, n, rank in coords:
+        factor = 1 if mode == "decode" else model.temporal if dim == 2 else model.spatial[
+            config]
+        latent = full.shape[dim] if mode == "decode" else (
+            (full.shape[2] - 1) // factor + 1 if dim == 2 else full.shape[dim] // factor)
+        count = shard(torch.arange(latent), 0, n, rank).numel()
+        if not count:
+            return None
+        length = count if mode == "decode" else (
+            1 + (count - 1) * factor if dim == 2 else count * factor)
         full = full.narrow(dim, 0, length)
     return full
 
@@ -372,7 +376,8 @@ class _Run:
     def __init__(self, job: dict[str, Any]) -> None:
         self.job, self.name, self.mode = job, job["name"], job["mode"]
         self.device, self.dims = job["device"], tuple(job["dims"])
-        self.vae = _model(self.name, job["config"], self.device, self.dims)
+        self.floor = bool(job.get("floor"))  # one device's calls on this rank's share
+        self.vae = _model(self.name, job["config"], self.device, self.dims, not self.floor)
         self.coords = _coords(self.device, self.dims)
         video, latent = vae_models.shapes(self.name, job["config"], job["frames"], job["size"])
         if self.mode == "decode":
@@ -380,18 +385,23 @@ class _Run:
             self.full = seeded_randn(shape, 1, torch.float32).to(self.device)
         else:
             self.full = seeded_randn(video, 1, torch.float32).to(self.device)
-        if job.get("share"):  # a floor run: one device on one rank's share (`_share`)
-            self.full = _share(self.full, self.name, job["config"], self.mode,
-                               job["share"])
-        self.x, self.leaf = _sharded(self.full, self.device, self.mode == "train", self.dims)
+        self.share = None
+        if self.floor:
+            self.share = _share(self.full, self.name, job["config"], self.mode, self.coords)
+            self.x = self.leaf = (self.full.narrow(2, 0, 0) if self.share is None else
+                                  self.share.clone().requires_grad_(self.mode == "train"))
+        else:
+            self.x, self.leaf = _sharded(self.full, self.device, self.mode == "train",
+                                         self.dims)
         self.upstream: torch.Tensor | None = None
         if self.mode == "train":
             for p in self.vae.parameters():
                 p.grad = torch.zeros_like(p)
 
     def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the latent, the output): DTensors on P > 1, the public calls' on P = 1."""
-        if dist.get_world_size() == 1:
+        """(the latent, the output): DTensors on P > 1, the public calls' on P = 1 (and
+        on a rank's share, `floor`)."""
+        if dist.get_world_size() == 1 or self.floor:
             enc, dec = vae_models.encode, vae_models.decode
         else:
             def enc(name: str, vae: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -406,6 +416,8 @@ class _Run:
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the latent, the output) as this rank's local shards."""
+        if self.floor and self.share is None:  # this rank holds nothing
+            return self.x, self.x
         if self.mode != "train":
             with torch.no_grad():
                 z, y = self.forward()
@@ -414,7 +426,8 @@ class _Run:
         shape = y.shape  # the global shape of a DTensor
         z, y = _local(z, self.dims), _local(y, self.dims)
         if self.upstream is None:
-            self.upstream = _upstream(y, shape, self.coords)
+            self.upstream = (seeded_randn(tuple(y.shape), 1000, y.dtype).to(y.device)
+                             if self.floor else _upstream(y, shape, self.coords))
         (y * self.upstream).sum().backward()
         return z.detach(), y.detach()
 
@@ -481,10 +494,12 @@ def rank_run(job: dict[str, Any]) -> dict[str, Any]:
     row.update(params=params * (2 if run.mode == "train" else 1),
                latent_frames=z.shape[2], latent_rows=z.shape[3], frames=run.leaf.shape[2])
     path = os.path.join(job["ref_dir"], f"{job['name']}-{job['mode']}.pt")
-    result = _result(run, y)
-    if job.get("share"):
+    if run.floor:  # nothing to compare: a share's result is not the global one's
         row["diff"] = row["rel"] = float("nan")
-    elif dist.get_world_size() == 1:
+        run.close()
+        return row
+    result = _result(run, y)
+    if dist.get_world_size() == 1:
         torch.save(result, path)
         if run.mode == "train":
             torch.save({n: p.grad.cpu() for n, p in run.vae.named_parameters()
@@ -649,24 +664,9 @@ def _jobs(args: argparse.Namespace, ref_dir: str, p: int,
                  "warmup": args.warmup, "ref_warmup": args.ref_warmup,
                  "approx": args.approx, "ref_dir": ref_dir}
                 for mode in args.modes]
-    if p == 1 and args.floor:
-        jobs += _floor_jobs(args, jobs, refused)
-    return jobs
-
-
-def _floor_jobs(args: argparse.Namespace, refs: list[dict[str, Any]],
-                refused: dict[tuple[str, tuple[int, ...]], str]) -> list[dict[str, Any]]:
-    """One device on the first rank's share of each P > 1 setting's input (`--floor`): the
-    model's own compute and memory on what a rank holds, with no halo, no communication and
-    attention over the share alone, a lower bound on what any formulation of a rank's part
-    pays (exact or not)."""
-    jobs = []
-    for p in sorted(set(args.ranks) - {1}):
-        for dims in _settings(args, p):
-            mesh = (p,) if len(dims) == 1 else (p // 2, 2)
-            jobs += [{**ref, "share": list(zip(dims, mesh, strict=True)), "approx": False,
-                      "floor_of": (p, dims)} for ref in refs
-                     if (ref["name"], dims) not in refused]
+    if p > 1 and args.floor:
+        # after the sharded runs: their models are built once, then the plain ones
+        jobs += [{**job, "floor": True} for job in jobs]
     return jobs
 
 
@@ -686,9 +686,8 @@ def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float,
         for job in jobs:
             record = {"model": job["name"], "mode": job["mode"], "P": p,
                       "dims": list(job["dims"])}
-            if job.get("share"):  # one device on the share of a rank of `floor_of`'s P
-                record.update(P=job["floor_of"][0], dims=list(job["floor_of"][1]),
-                              floor=True)
+            if job.get("floor"):
+                record["floor"] = True
             try:
                 record["ranks"] = world.run(rank_run, job)
             except (AssertionError, TimeoutError) as exc:
@@ -743,8 +742,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--approx", action="store_true",
                         help="also diffusers' tiling and framewise runs on one device")
     parser.add_argument("--floor", action="store_true",
-                        help="also one device on a rank's share of each P's input: the "
-                             "compute a rank pays at least, beside what it pays")
+                        help="also each of the P ranks running one device's call on its "
+                             "own share, at once: the compute a rank pays at least")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
     parser.add_argument("--out", help="write every rank's numbers here (JSON, after each run)")
     return parser
@@ -839,11 +838,12 @@ def _row(record: dict[str, Any], one: dict[str, Any] | None,
 
 def _floor_cells(compute: float, p: int, one: dict[str, Any] | None,
                  floor: dict[str, Any] | None) -> str:
-    """`floor*P/one` and `compute/floor`: the rank's compute bound by the model itself (one
-    device on a rank's share, `--floor`) and the rank's compute over it."""
+    """`floor*P/one` and `compute/floor`: the busiest rank's compute bound by the model
+    itself (one device's calls on each rank's share at once, `--floor`) and the busiest
+    rank's compute over it."""
     if p == 1 or floor is None or "ranks" not in floor or one is None or "ranks" not in one:
         return " - | - |"
-    least = floor["ranks"][0]["compute"]
+    least = max(r["compute"] for r in floor["ranks"])
     base = max(r["compute"] for r in one["ranks"])
     return f" {least * p / base:.3f} | {compute / least:.3f} |"
 

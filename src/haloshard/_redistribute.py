@@ -30,9 +30,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from haloshard import _comm
 from haloshard._compat import local_tensor, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
-from haloshard import _comm
 from haloshard._exchange import halo_exchange, memory_format, widen
 from haloshard._layout import HaloShard, check_pad_fits, shard_sizes
 from haloshard._tracing import planner_cache, surfaces_errors
@@ -128,16 +128,30 @@ def layout_view(t: torch.Tensor) -> torch.Tensor:
     torch's layout checks (`suggest_memory_format`: the convs', GroupNorm's) then read the
     chunk as not channels-last: a conv copies it to the standard layout, and every layer
     after runs in that layout where one device keeps channels-last."""
-    fmt = memory_format(t)
-    if fmt == torch.contiguous_format or not _comm.is_eager(t):
-        return t.view_as(t)
+    strides = _layout_strides(t)
+    return t.view_as(t) if strides is None else t.as_strided(t.shape, strides,
+                                                            t.storage_offset())
+
+
+def layout_strides(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or (a channels-last `t` whose size-1 dims carry other strides, see
+    `layout_view`) a view of it with its memory format's strides."""
+    strides = _layout_strides(t)
+    return t if strides is None or tuple(strides) == t.stride() else t.as_strided(
+        t.shape, strides, t.storage_offset())
+
+
+def _layout_strides(t: torch.Tensor) -> list[int] | None:
+    """The strides of a new tensor of `t`'s shape and channels-last memory format; None
+    for the standard layout, or a traced or simulated tensor."""
+    if memory_format(t) == torch.contiguous_format or not _comm.is_eager(t):
+        return None
     # channels-last: C innermost, then the spatial dims from the last, then the batch
-    order = [1, *range(t.ndim - 1, 1, -1), 0]
     strides, step = [0] * t.ndim, 1
-    for d in order:
+    for d in [1, *range(t.ndim - 1, 1, -1), 0]:
         strides[d] = step
         step *= max(t.shape[d], 1)
-    return t.as_strided(t.shape, strides, t.storage_offset())
+    return strides
 
 
 def local_grad(grad: Any, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:

@@ -42,7 +42,7 @@ from haloshard import _comm
 from haloshard._agree import Agreed, Agreements
 from haloshard._compat import DTensorSpec, TensorMeta, dtensor_of, held
 from haloshard._conv import ConvCall
-from haloshard._redistribute import local_grad, unwrap
+from haloshard._redistribute import layout_strides, local_grad, unwrap
 
 
 def conv_signature(module: nn.Module) -> tuple[Any, ...]:
@@ -131,6 +131,7 @@ class _ShardedConv(torch.autograd.Function):
     ) -> DTensor:
         ctx.set_materialize_grads(False)
         local, ctx.in_spec = held(x)
+        local = layout_strides(local)  # as a site's unwrap sees it (channels-last kept)
         ctx.function = call.function
         assert call.move is not None
         y, saved = call.function.run(ctx, local, weight, bias, call.move, call.args)
