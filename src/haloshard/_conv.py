@@ -43,9 +43,7 @@ from haloshard._exchange import (
 from haloshard._specs import halo_supplies_padding
 from haloshard._tracing import planner_cache, surfaces_errors
 
-# torch's own binding of aten::convolution: the op overload's Python call costs about as
-# much again as a small conv (3 us of 7.7 on a tiny one)
-_conv = torch.convolution
+_conv = torch.ops.aten.convolution.default
 _conv_backward = torch.ops.aten.convolution_backward.default
 
 
