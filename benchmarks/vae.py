@@ -85,7 +85,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from benchmarks import steady_allocator, vae_models
-from haloshard import HaloError, reduce_grads
+from haloshard import HaloError, reduce_grads, shard_sizes
 from haloshard.testing import GlooWorld, seeded_randn, shard, worker_mesh
 
 MODES = ("decode", "encode", "train")
@@ -340,16 +340,17 @@ def _sharded(full: torch.Tensor, device: str, grad: bool, dims: tuple[int, ...]
 
 def _share(full: torch.Tensor, name: str, config: str, mode: str,
            coords: list[tuple[int, int, int]]) -> torch.Tensor | None:
-    """This rank's share of the input on every sharded dim (`coords`): its latent frames
-    and rows (torch.chunk's split of the latent), as the latent or as the video that encodes
-    to them (`1 + k t` frames, rows times the spatial factor); None where it holds none."""
+    """This rank's share of the input on every sharded dim (`coords`): as many latent frames
+    and rows as it holds (the `Shard` split of the latent), as the latent or as the video
+    that encodes to them (`1 + k t` frames, rows times the spatial factor), cut from the
+    start (the sizes matter here, not the values); None where it holds none."""
     model = vae_models.MODELS[name]
     for dim, n, rank in coords:
         factor = 1 if mode == "decode" else model.temporal if dim == 2 else model.spatial[
             config]
         latent = full.shape[dim] if mode == "decode" else (
             (full.shape[2] - 1) // factor + 1 if dim == 2 else full.shape[dim] // factor)
-        count = shard(torch.arange(latent), 0, n, rank).numel()
+        count = shard_sizes(latent, n)[rank]
         if not count:
             return None
         length = count if mode == "decode" else (

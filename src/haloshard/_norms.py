@@ -225,12 +225,12 @@ def _squared_deviations(xf: torch.Tensor, mean: torch.Tensor, within: tuple[int,
                         ) -> torch.Tensor:
     """`((xf - mean) ** 2).sum(within)`, block by block along dim 2: the deviations are
     block-sized temporaries (a 16th of the chunk, at least `_MIN_BLOCK` elements), not
-    chunk-sized. Their squares are summed by `vector_norm`, without a second temporary,
-    where it reads the chunk fast and accumulates wider than it: float32 (a channels-last
-    chunk, whose strided dims it reduces slower, and float64, which it sums in float64
-    without `sum`'s cascade, 1e-11 apart over 1e5 values, square and sum). The
-    temporaries, not the arithmetic, are what cost here: one pass over the chunk more than
-    one device's GroupNorm makes."""
+    chunk-sized. A dense float32 chunk's squares are summed by `vector_norm`, without a
+    second temporary (it accumulates wider than float32). A channels-last chunk (whose
+    strided dims `vector_norm` reduces slower) and a float64 one (which it sums without
+    `sum`'s cascade: 1e-11 apart over 1e5 values) square and sum. The temporaries, not the
+    arithmetic, are what cost here: one pass over the chunk more than one device's
+    GroupNorm makes."""
     slices = xf.shape[2]
     size = max(-(-slices // _BLOCKS), -(-_MIN_BLOCK * slices // max(xf.numel(), 1)), 1)
     dense = memory_format(xf) == torch.contiguous_format and xf.dtype == torch.float32
