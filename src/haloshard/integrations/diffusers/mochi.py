@@ -190,13 +190,22 @@ def _pixel_attention(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     parts = 1 if torch.is_grad_enabled() else min(_PIXEL_PARTS, tokens.shape[2])
     # slices of rows where they are contiguous (batch 1), so q, k, v's linears copy no part
     along = 1 if tokens.shape[0] == 1 and tokens.shape[1] >= parts else 2
-    o = torch.cat([_attend_pixels(attn, part, group, length, n if padded else None,
-                                  (reuse[0], (reuse[1], parts, j)))
-                   for j, part in enumerate(tokens.tensor_split(parts, dim=along))], along) \
-        if parts > 1 else _attend_pixels(attn, tokens, group, length,
-                                         n if padded else None, reuse)
+    if parts > 1:
+        # each part's output divided straight into its slice (no cat, no second pass);
+        # each part agrees at its own key, so a steady call agrees nothing (one key for all
+        # would see its signature change at every part: a placeholder round and a fresh
+        # agreement each time)
+        o = tokens.new_empty(tokens.shape)
+        for j, (part, out) in enumerate(zip(tokens.tensor_split(parts, dim=along),
+                                            o.tensor_split(parts, dim=along), strict=True)):
+            store = reuse[0].setdefault(("pixel part", parts, j), {})
+            torch.div(_attend_pixels(attn, part, group, length, n if padded else None,
+                                     (store, reuse[1])), attn.rescale_output_factor, out=out)
+    else:
+        o = _attend_pixels(attn, tokens, group, length, n if padded else None, reuse) / \
+            attn.rescale_output_factor
     del tokens
-    o = (o / attn.rescale_output_factor).permute(0, 4, 3, 1, 2)
+    o = o.permute(0, 4, 3, 1, 2)
     if padded:
         o = o.narrow(dim, 0, n)
         for d, rows in kept.items():
