@@ -26,7 +26,9 @@ reports per rank:
 - `sent`: bytes the rank handed to c10d collectives, eager and functional (DTensor's own)
   (all-to-all: rows to other ranks; all-gather: its input times P - 1; reduce-scatter:
   (P - 1) / P of its input; all-reduce: 2 (P - 1) / P of its buffer, a ring's share; P2P:
-  the tensors it sends);
+  the tensors it sends); `agreed`: the metadata all-gathers among them (rank agreements:
+  after a warm-up run, `--warmup 1`, a steady call makes none; the table shows a nonzero
+  count beside the bytes, `+N agreed`);
 - `diff` / `rel`: the largest absolute difference of the rank's shard to the one-device
   result (train: output, input gradient and the parameter gradients summed over ranks),
   and relative to the largest value of the same tensor;
@@ -86,7 +88,13 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from benchmarks import steady_allocator, vae_models
 from haloshard import HaloError, reduce_grads, shard_sizes
-from haloshard.testing import GlooWorld, seeded_randn, shard, worker_mesh
+from haloshard.testing import (
+    GlooWorld,
+    counted_collectives,
+    seeded_randn,
+    shard,
+    worker_mesh,
+)
 
 MODES = ("decode", "encode", "train")
 MiB = 2**20
@@ -472,14 +480,16 @@ def _measure(step: Callable[[], Any], device: str, model: nn.Module
     """`step()` once: its result, peak bytes (and where), compute and wall seconds, bytes
     sent."""
     dist.barrier()
-    with module_scopes(model), peak_bytes(device) as peak, bytes_sent() as sent:
+    with module_scopes(model), peak_bytes(device) as peak, bytes_sent() as sent, \
+            counted_collectives(by_dtype=True) as calls:
         wall, cpu = time.perf_counter(), time.thread_time()
         out = step()
         _sync(device)
         cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
     compute = wall if device == "cuda" else cpu
+    agreed = sum(n for name, n in calls.items() if name.endswith("(metadata)"))
     return out, {"act": peak["peak"], "where": peak["where"], "largest": peak["largest"],
-                 "compute": compute, "wall": wall, "sent": sent["bytes"]}
+                 "compute": compute, "wall": wall, "sent": sent["bytes"], "agreed": agreed}
 
 
 def rank_run(job: dict[str, Any]) -> dict[str, Any]:
@@ -832,9 +842,16 @@ def _row(record: dict[str, Any], one: dict[str, Any] | None,
     return (f"{head} {latent[0]}x{latent[1]} | {ranks[0]['params'] / MiB:.0f} | "
             f"{act / MiB:.1f} | {ratios[0]} | {compute:.2f} | {ratios[1]} | "
             f"{max(r['wall'] for r in ranks):.2f} | "
-            f"{max(r['sent'] for r in ranks) / MiB:.2f} | "
+            f"{max(r['sent'] for r in ranks) / MiB:.2f}{_agreed(ranks)} | "
             f"{max(r['diff'] for r in ranks):.1e} ({max(r['rel'] for r in ranks):.0e}) | "
             f"{_where(top)} |{_floor_cells(compute, p, one, floor) if floors else ''}")
+
+
+def _agreed(ranks: list[dict[str, Any]]) -> str:
+    """` +N agreed`: the busiest rank's metadata all-gathers in the measured call (none
+    in a steady call), or nothing."""
+    most = max(r.get("agreed", 0) for r in ranks)
+    return f" +{most} agreed" if most else ""
 
 
 def _floor_cells(compute: float, p: int, one: dict[str, Any] | None,

@@ -67,6 +67,9 @@ def _check(records: list[dict[str, Any]], modes: list[str], models: list[str]) -
             assert row["rel"] <= REL_TOL[record["mode"]], record
             # one device moves nothing; two ranks exchange halos
             assert (row["sent"] > 0) == (record["P"] > 1), record
+            # un-warmed (`--warmup 0`): a sharded call's first run agrees its sites
+            assert (row["agreed"] > 0) == (record["P"] > 1 and not record.get("floor")), \
+                record
 
 
 @pytest.mark.gloo
