@@ -572,3 +572,54 @@ def test_time_attention_parts_agree_once(gloo2: Any) -> None:
     for rank, row in enumerate(gloo2.run(_pixel_attention_steady)):
         assert row["broadcasts"] == 4 * 2 and row["gathers"] == 0, (rank, row)
         assert row["diff"] <= 1e-5, (rank, row)
+
+
+def _padded_window_inference(name: str, dims: tuple[int, ...]) -> dict[str, float]:
+    """On this gloo rank: the causal conv sharded on `dims` (T: 7 frames as 4, 3; T and H:
+    a 2x2 `(t, h)` mesh, 6 rows as 3, 3) run under no_grad, contiguous and channels-last,
+    with the apart-padded chunk forbidden (`padded_chunk` raises): the wrapper's W (and
+    H) padding is written straight into the window. Each output's difference to one
+    device's."""
+    import torch.distributed as dist
+
+    import haloshard._halo_forward as halo_forward
+    from haloshard.testing import worker_mesh
+
+    names = ("t",) if dims == (2,) else ("t", "h")
+    mesh = worker_mesh((dist.get_world_size(),) if dims == (2,) else (2, 2),
+                       mesh_dim_names=names)
+    module, style = CONVS[name](8, 8, dims=dims)
+    twin = copy.deepcopy(module)
+    parallelize_module(module, mesh["t"], style)
+
+    def forbidden(*args: Any) -> None:
+        raise AssertionError("the chunk was padded apart before its window")
+
+    diffs = {}
+    for layout in (torch.contiguous_format, torch.channels_last_3d):
+        full = seeded_randn((1, 8, 7, 6, 5), 1, torch.float32).to(memory_format=layout)
+        with torch.no_grad():
+            ref = _first(twin(full))
+            x = distribute_tensor(full, mesh, [Shard(d) for d in dims])
+            saved, halo_forward.padded_chunk = halo_forward.padded_chunk, forbidden
+            try:
+                y = _first(module(x))
+            finally:
+                halo_forward.padded_chunk = saved
+            diffs[str(layout)] = float((y.full_tensor() - ref).abs().max())
+    return diffs
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("dims", [(2,), (2, 3)])
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_causal_conv_pads_into_its_window(gloo: Any, name: str, dims: tuple[int, ...]
+                                          ) -> None:
+    """Inference on real ranks (2 on T, 4 on T and H): the causal wrapper's own padding of
+    the dims not sharded is written into the exchanged window's buffer (replicate edges
+    copied in place), where the chunk was padded into a buffer of its own first and then
+    copied into the window (one more pass over the chunk per conv). Exact against one
+    device up to float32 rounding (a few ulps of sums of 27 * 8 products of O(1) values)."""
+    for rank, row in enumerate(gloo(2 if dims == (2,) else 4).run(
+            _padded_window_inference, name, dims)):
+        assert all(d <= 1e-5 for d in row.values()), (rank, row)

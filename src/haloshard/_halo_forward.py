@@ -36,7 +36,13 @@ from haloshard._compat import (
 )
 from haloshard._conv import ConvCall, conv_call
 from haloshard._errors import HaloError
-from haloshard._exchange import Reuse, empty_like_layout, exchange, prepare_halo
+from haloshard._exchange import (
+    Reuse,
+    empty_like_layout,
+    exchange,
+    memory_format,
+    prepare_halo,
+)
 from haloshard._forward import INSIDE as _INSIDE
 from haloshard._forward import (
     ShardedForward,
@@ -383,16 +389,23 @@ class HaloForward(ShardedForward):
 
 
 def halo_windows(site: Site, plans: list[tuple[int, int, WindowPlan]],
-                 stencils: list[Stencil], reuse: Reuse) -> torch.Tensor:
+                 stencils: list[Stencil], reuse: Reuse,
+                 pads: dict[int, HaloShard] | None = None) -> torch.Tensor:
     """The chunk's window along each planned `(mesh axis, dim)` in turn, the later exchange
     over the earlier one's window (so it also moves the corners a kernel reads from its
     diagonal neighbour). A rank that raises along one axis still joins the later axes'
-    exchanges, flagged (`_fail_later_axes`), so their peers raise at once too."""
+    exchanges, flagged (`_fail_later_axes`), so their peers raise at once too.
+
+    `pads`: dims no plan shards, padded first as a causal wrapper's `F.pad` pads them
+    (each slice alone, so the halo slices arrive padded alike; `reuse` is the padded
+    chunk's, `padded_reuse`)."""
     # `site` no longer holds the chunk: a chunk made for this call (padded first) is freed
     # once the first window is built
     x, site = site.local, replace(site, local=_NO_CHUNK)
-    if _in_one_buffer(x, site, plans):
-        return _windows_in_one_buffer(x, site, plans, stencils, reuse)
+    if _in_one_buffer(x, site, plans, pads or {}):
+        return _windows_in_one_buffer(x, site, plans, stencils, reuse, pads or {})
+    if pads:
+        x = padded_chunk(x, pads)
     for i, ((axis, d, plan), stencil) in enumerate(zip(plans, stencils, strict=True)):
         try:
             x = halo_window(replace(site, local=x, axis=axis, dim=d), plan,
@@ -407,12 +420,14 @@ def halo_windows(site: Site, plans: list[tuple[int, int, WindowPlan]],
 _NO_CHUNK = torch.empty(0)
 
 
-def _in_one_buffer(x: torch.Tensor, site: Site, plans: list[tuple[int, int, WindowPlan]]
-                   ) -> bool:
+def _in_one_buffer(x: torch.Tensor, site: Site, plans: list[tuple[int, int, WindowPlan]],
+                   pads: dict[int, HaloShard]) -> bool:
     """Whether `halo_windows` builds the windows in one buffer: inference (no autograd
-    node to keep per axis) on real ranks, several axes, each window the whole exchanged
-    chunk (no strided or trimmed window)."""
-    if torch.is_grad_enabled() or len(plans) < 2 or not _comm.is_eager(x):
+    node to keep per axis) on real ranks, several axes or pads (replicate or zeros) to
+    write in place, each window the whole exchanged chunk (no strided or trimmed window)."""
+    if torch.is_grad_enabled() or len(plans) < (1 if pads else 2) or not _comm.is_eager(x):
+        return False
+    if any(spec.pad not in ("replicate", "zeros") for spec in pads.values()):
         return False
     for axis, d, plan in plans:
         rank = site.mesh.get_local_rank(axis)
@@ -424,14 +439,17 @@ def _in_one_buffer(x: torch.Tensor, site: Site, plans: list[tuple[int, int, Wind
 
 def _windows_in_one_buffer(x: torch.Tensor, site: Site,
                            plans: list[tuple[int, int, WindowPlan]], stencils: list[Stencil],
-                           reuse: Reuse) -> torch.Tensor:
+                           reuse: Reuse, pads: dict[int, HaloShard]) -> torch.Tensor:
     """`halo_windows` in inference: the chunk copied once into a buffer of the last window's
-    shape, then each axis's halos written into it in turn, the later axis sending the rows
-    of the earlier one's window (a view of the buffer), as the exchanges one after the other
-    would; each of those copied the whole window again."""
+    shape (padded there along `pads`' dims), then each axis's halos written into it in
+    turn, the later axis sending the rows of the earlier one's window (a view of the
+    buffer), as the exchanges one after the other would; each of those copied the whole
+    window again, and a chunk padded apart first was one more copy."""
     sizes, shape = list(x.shape), list(x.shape)
     for _, d, plan in plans:
         shape[d] += plan.left + plan.right
+    for d, spec in pads.items():
+        shape[d] += spec.left + spec.right
     buf = empty_like_layout(x, shape)
 
     def center(t: torch.Tensor, axes: list[tuple[int, int, WindowPlan]]) -> torch.Tensor:
@@ -439,7 +457,7 @@ def _windows_in_one_buffer(x: torch.Tensor, site: Site,
             t = t.narrow(d, plan.left, sizes[d])
         return t
 
-    center(buf, plans).copy_(x)
+    _pad_into(x, pads, center(buf, plans))
     del x
     for i, ((axis, d, plan), stencil) in enumerate(zip(plans, stencils, strict=True)):
         window = center(buf, plans[i + 1 :])  # this axis's window: later axes not yet added
@@ -460,6 +478,50 @@ def _windows_in_one_buffer(x: torch.Tensor, site: Site,
                                          plan.right, window.ndim, d, window.device),
                                 stencil.fill)
     return buf
+
+
+def padded_chunk(x: torch.Tensor, pads: dict[int, HaloShard]) -> torch.Tensor:
+    """The chunk padded along `pads`' dims as a causal wrapper's `F.pad` pads them."""
+    widths = [0] * (2 * x.ndim - 4)
+    for d, spec in pads.items():
+        k = 2 * (x.ndim - 1 - d)
+        widths[k : k + 2] = [spec.left, spec.right]
+    mode = next(iter(pads.values())).pad
+    return F.pad(_canonical(x), widths, mode="constant" if mode == "zeros" else mode)
+
+
+def _canonical(x: torch.Tensor) -> torch.Tensor:
+    """`x` viewed with its memory format's own strides. A DTensor's local chunk of batch 1
+    can carry another stride on that size-1 dim; `F.pad` then takes a channels-last chunk
+    for a contiguous one and pads it into a contiguous copy, which the conv reorders
+    again (one more chunk-sized buffer)."""
+    fmt = memory_format(x)
+    if fmt == torch.contiguous_format or not _comm.is_eager(x):
+        return x
+    strides = torch.empty(x.shape, device="meta").contiguous(memory_format=fmt).stride()
+    return x if x.stride() == strides else x.as_strided(x.shape, strides, x.storage_offset())
+
+
+def _pad_into(x: torch.Tensor, pads: dict[int, HaloShard], out: torch.Tensor) -> None:
+    """Write `x` padded along `pads`' dims (replicate or zeros, as `padded_chunk`) into
+    `out`: `x` into the middle, then each dim's edges over the whole extent of the others
+    (edges of a later dim are rewritten by its own pass, from its middle slices, which
+    the earlier passes completed: the corners come out as `F.pad`'s)."""
+    middle = out
+    for d, spec in pads.items():
+        middle = middle.narrow(d, spec.left, x.shape[d])
+    middle.copy_(x)
+    for d, spec in pads.items():
+        n = x.shape[d]
+        for start, width, source in ((0, spec.left, spec.left),
+                                     (spec.left + n, spec.right, spec.left + n - 1)):
+            if not width:
+                continue
+            edge = out.narrow(d, start, width)
+            if spec.pad == "zeros":
+                edge.zero_()
+            else:
+                edge.copy_(out.narrow(d, source, 1).expand_as(edge))
 
 
 def _fail_later_axes(site: Site, plans: list[tuple[int, int, WindowPlan]],

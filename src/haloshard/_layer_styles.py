@@ -55,7 +55,6 @@ from haloshard._compat import (
 )
 from haloshard._conv import with_spare_slice
 from haloshard._errors import HaloError
-from haloshard._exchange import memory_format
 from haloshard._forward import (
     ENCLOSING,
     ShardedForward,
@@ -66,7 +65,7 @@ from haloshard._forward import (
     output_layouts,
 )
 from haloshard._forward import INSIDE as _INSIDE
-from haloshard._halo_forward import HaloForward, LocalRun, halo_window, halo_windows
+from haloshard._halo_forward import HaloForward, LocalRun, halo_windows
 from haloshard._layout import HaloShard, PadMode, lack, shard_sizes
 from haloshard._no_pad import NoPadAlong
 from haloshard._norms import group_norm
@@ -777,14 +776,13 @@ class _StripPadForward(HaloForward):
                        stencils: list[Stencil], reuse: Reuse) -> torch.Tensor:
         """T and H sharded at once: the chunk padded first along the dims neither shards (W),
         then exchanged along each: the window holds all of the wrapper's padding, and the
-        padded chunk is freed once the window is built (as `_padded_window`)."""
+        padded chunk is freed once the window is built, or, in inference, never built apart
+    (`halo_windows`)."""
         if not self.padded:
             return super().windows_across(site, plans, stencils, reuse)
         grad = site.local.requires_grad and torch.is_grad_enabled()  # the padded chunk's
-        reuse = padded_reuse(reuse, grad)
-        # no name here holds the padded chunk: `halo_windows` frees it after the first axis
-        return halo_windows(replace(site, local=_padded_chunk(site.local, self.padded)),
-                            plans, stencils, reuse)
+        return halo_windows(site, plans, stencils, padded_reuse(reuse, grad),
+                            pads=self.padded)
 
     def padded_first(self, site: Site) -> dict[int, HaloShard]:
         """The wrapper's own pads along dims this call does not shard, where the chunk can
@@ -815,36 +813,15 @@ class _DroppedPad(NoPadAlong):
         return super()._strip(args, kwargs)
 
 
-def _canonical(x: torch.Tensor) -> torch.Tensor:
-    """`x` viewed with its memory format's own strides. A DTensor's local chunk of batch 1
-    can carry another stride on that size-1 dim; `F.pad` then takes a channels-last chunk
-    for a contiguous one and pads it into a contiguous copy, which the conv reorders
-    again (one more chunk-sized buffer)."""
-    fmt = memory_format(x)
-    if fmt == torch.contiguous_format or not _comm.is_eager(x):
-        return x
-    strides = torch.empty(x.shape, device="meta").contiguous(memory_format=fmt).stride()
-    return x if x.stride() == strides else x.as_strided(x.shape, strides, x.storage_offset())
-
-
 def _padded_window(site: Site, plan: WindowPlan, annotation: Annotation, reuse: Reuse,
                    pads: dict[int, HaloShard]) -> torch.Tensor:
     """The chunk padded along `pads`' dims (each slice alone, as the single-device `F.pad`
     pads it, so the halo slices arrive padded alike), then exchanged along dim: this
-    rank's window. The padded chunk is not kept: it is freed once the window is built."""
-    x = _padded_chunk(site.local, pads)
-    reuse = padded_reuse(reuse, x.requires_grad)
-    return halo_window(replace(site, local=x), plan, annotation, reuse)
-
-
-def _padded_chunk(x: torch.Tensor, pads: dict[int, HaloShard]) -> torch.Tensor:
-    """The chunk padded along `pads`' dims as the wrapper's `F.pad` pads them."""
-    widths = [0] * (2 * x.ndim - 4)
-    for d, spec in pads.items():
-        k = 2 * (x.ndim - 1 - d)
-        widths[k : k + 2] = [spec.left, spec.right]
-    mode = next(iter(pads.values())).pad
-    return F.pad(_canonical(x), widths, mode="constant" if mode == "zeros" else mode)
+    rank's window (`halo_windows` with one axis: in inference the padded chunk is written
+    straight into the window)."""
+    grad = site.local.requires_grad and torch.is_grad_enabled()  # the padded chunk's
+    return halo_windows(site, [(site.axis, annotation.dim, plan)], [annotation.stencil],
+                        padded_reuse(reuse, grad), pads=pads)
 
 
 def _one_conv(module: nn.Module, dim: int) -> nn.Conv1d:
