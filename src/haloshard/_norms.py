@@ -206,6 +206,13 @@ def _local_stats(x: torch.Tensor, num_groups: int, seg: Segments | None = None
         return _segment_stats(xf, num_groups, seg)
     within = tuple(range(2, x.ndim))
     per_channel = math.prod(x.shape[2:])
+    if x.ndim > 2 and isinstance(per_channel, int) and per_channel > 0 and \
+            memory_format(xf) != torch.contiguous_format:
+        # channels-last: C innermost, so `(B, S, C)` rows are a view, reduced along S
+        # faster than the strided dims of `(B, C, *S)` (a third less time for M2)
+        rows = xf.movedim(1, -1).flatten(1, -2)
+        mean_c = rows.sum(1) / per_channel
+        return _group_stats(mean_c, _row_deviations(rows, mean_c), per_channel, num_groups)
     mean_c = xf.sum(within) / torch.sym_max(per_channel, 1)
     at = mean_c.view(*mean_c.shape, *([1] * len(within)))
     if x.ndim > 2 and isinstance(per_channel, int) and per_channel > 0:
@@ -228,7 +235,8 @@ def _squared_deviations(xf: torch.Tensor, mean: torch.Tensor, within: tuple[int,
     chunk-sized. A dense float32 chunk's squares are summed by `vector_norm`, without a
     second temporary (it accumulates wider than float32). A channels-last chunk (whose
     strided dims `vector_norm` reduces slower) and a float64 one (which it sums without
-    `sum`'s cascade: 1e-11 apart over 1e5 values) square and sum. The temporaries, not the
+    `sum`'s cascade: 1e-11 apart over 1e5 values) square and sum (a channels-last chunk
+    takes `_row_deviations` instead, in `_local_stats`). The temporaries, not the
     arithmetic, are what cost here: one pass over the chunk more than one device's
     GroupNorm makes."""
     slices = xf.shape[2]
@@ -239,6 +247,19 @@ def _squared_deviations(xf: torch.Tensor, mean: torch.Tensor, within: tuple[int,
         d = block - mean
         part = torch.linalg.vector_norm(d, 2, within).square_() if dense else (d * d).sum(
             within)
+        total = part if total is None else total.add_(part)
+    assert total is not None
+    return total
+
+
+def _row_deviations(rows: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """`((rows - mean) ** 2).sum(1)` for `(B, S, C)` rows and `(B, C)` means, block by
+    block along S (as `_squared_deviations`), each block's deviations squared in place."""
+    count = rows.shape[1]
+    size = max(-(-count // _BLOCKS), -(-_MIN_BLOCK // max(rows.shape[0] * rows.shape[2], 1)), 1)
+    total = None
+    for block in rows.split(size, 1):
+        part = block.sub(mean.unsqueeze(1)).square_().sum(1)
         total = part if total is None else total.add_(part)
     assert total is not None
     return total
