@@ -776,8 +776,8 @@ class _StripPadForward(HaloForward):
                        stencils: list[Stencil], reuse: Reuse) -> torch.Tensor:
         """T and H sharded at once: the chunk padded first along the dims neither shards (W),
         then exchanged along each: the window holds all of the wrapper's padding, and the
-        padded chunk is freed once the window is built, or, in inference, never built apart
-    (`halo_windows`)."""
+        padded chunk is freed once the window is built, or, in inference, never built
+        apart (`halo_windows`)."""
         if not self.padded:
             return super().windows_across(site, plans, stencils, reuse)
         grad = site.local.requires_grad and torch.is_grad_enabled()  # the padded chunk's
