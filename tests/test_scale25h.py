@@ -577,7 +577,7 @@ def test_time_attention_parts_agree_once(gloo2: Any) -> None:
 def _padded_window_inference(name: str, dims: tuple[int, ...]) -> dict[str, float]:
     """On this gloo rank: the causal conv sharded on `dims` (T: 7 frames as 4, 3; T and H:
     a 2x2 `(t, h)` mesh, 6 rows as 3, 3) run under no_grad, contiguous and channels-last,
-    with the apart-padded chunk forbidden (`padded_chunk` raises): the wrapper's W (and
+    with the apart-padded chunk forbidden (`_padded_chunk` raises): the wrapper's W (and
     H) padding is written straight into the window. Each output's difference to one
     device's."""
     import torch.distributed as dist
@@ -601,11 +601,11 @@ def _padded_window_inference(name: str, dims: tuple[int, ...]) -> dict[str, floa
         with torch.no_grad():
             ref = _first(twin(full))
             x = distribute_tensor(full, mesh, [Shard(d) for d in dims])
-            saved, halo_forward.padded_chunk = halo_forward.padded_chunk, forbidden
+            saved, halo_forward._padded_chunk = halo_forward._padded_chunk, forbidden
             try:
                 y = _first(module(x))
             finally:
-                halo_forward.padded_chunk = saved
+                halo_forward._padded_chunk = saved
             diffs[str(layout)] = float((y.full_tensor() - ref).abs().max())
     return diffs
 

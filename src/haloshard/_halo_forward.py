@@ -405,7 +405,7 @@ def halo_windows(site: Site, plans: list[tuple[int, int, WindowPlan]],
     if _in_one_buffer(x, site, plans, pads or {}):
         return _windows_in_one_buffer(x, site, plans, stencils, reuse, pads or {})
     if pads:
-        x = padded_chunk(x, pads)
+        x = _padded_chunk(x, pads)
     for i, ((axis, d, plan), stencil) in enumerate(zip(plans, stencils, strict=True)):
         try:
             x = halo_window(replace(site, local=x, axis=axis, dim=d), plan,
@@ -480,7 +480,7 @@ def _windows_in_one_buffer(x: torch.Tensor, site: Site,
     return buf
 
 
-def padded_chunk(x: torch.Tensor, pads: dict[int, HaloShard]) -> torch.Tensor:
+def _padded_chunk(x: torch.Tensor, pads: dict[int, HaloShard]) -> torch.Tensor:
     """The chunk padded along `pads`' dims as a causal wrapper's `F.pad` pads them."""
     widths = [0] * (2 * x.ndim - 4)
     for d, spec in pads.items():
@@ -503,7 +503,7 @@ def _canonical(x: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_into(x: torch.Tensor, pads: dict[int, HaloShard], out: torch.Tensor) -> None:
-    """Write `x` padded along `pads`' dims (replicate or zeros, as `padded_chunk`) into
+    """Write `x` padded along `pads`' dims (replicate or zeros, as `_padded_chunk`) into
     `out`: `x` into the middle, then each dim's edges over the whole extent of the others
     (edges of a later dim are rewritten by its own pass, from its middle slices, which
     the earlier passes completed: the corners come out as `F.pad`'s)."""

@@ -206,60 +206,47 @@ def _local_stats(x: torch.Tensor, num_groups: int, seg: Segments | None = None
         return _segment_stats(xf, num_groups, seg)
     within = tuple(range(2, x.ndim))
     per_channel = math.prod(x.shape[2:])
-    if x.ndim > 2 and isinstance(per_channel, int) and per_channel > 0 and \
-            memory_format(xf) != torch.contiguous_format:
-        # channels-last: C innermost, so `(B, S, C)` rows are a view, reduced along S
-        # faster than the strided dims of `(B, C, *S)` (a third less time for M2)
-        rows = xf.movedim(1, -1).flatten(1, -2)
-        mean_c = rows.sum(1) / per_channel
-        return _group_stats(mean_c, _row_deviations(rows, mean_c), per_channel, num_groups)
+    if x.ndim > 2 and isinstance(per_channel, int) and per_channel > 0:
+        if memory_format(xf) != torch.contiguous_format:
+            # channels-last: C innermost, so `(B, S, C)` rows are a view, reduced along S
+            # faster than the strided dims of `(B, C, *S)` (a third less time for M2)
+            xf, within = xf.movedim(1, -1).flatten(1, -2), (1,)
+        at = xf.sum(within, keepdim=True) / per_channel
+        return _group_stats(at.flatten(1), _squared_deviations(xf, at, within), per_channel,
+                            num_groups)
+    # an empty chunk (count 0, mean 0, M2 0), or per-rank sizes (simulated)
     mean_c = xf.sum(within) / torch.sym_max(per_channel, 1)
     at = mean_c.view(*mean_c.shape, *([1] * len(within)))
-    if x.ndim > 2 and isinstance(per_channel, int) and per_channel > 0:
-        m2_c = _squared_deviations(xf, at, within)
-    else:  # an empty chunk (count 0, mean 0, M2 0), or per-rank sizes (simulated)
-        m2_c = ((xf - at) ** 2).sum(within)
-    return _group_stats(mean_c, m2_c, per_channel, num_groups)
+    return _group_stats(mean_c, ((xf - at) ** 2).sum(within), per_channel, num_groups)
 
 
-# blocks of dim 2 per chunk in `_squared_deviations`, and the fewest elements a block holds
-# (a smaller one costs more in per-op overhead than its temporary saves)
+# blocks per chunk in `_squared_deviations`, and the fewest elements a block holds (a smaller
+# one costs more in per-op overhead than its temporary saves)
 _BLOCKS = 16
 _MIN_BLOCK = 1 << 18
 
 
 def _squared_deviations(xf: torch.Tensor, mean: torch.Tensor, within: tuple[int, ...]
                         ) -> torch.Tensor:
-    """`((xf - mean) ** 2).sum(within)`, block by block along dim 2: the deviations are
-    block-sized temporaries (a 16th of the chunk, at least `_MIN_BLOCK` elements), not
-    chunk-sized. A dense float32 chunk's squares are summed by `vector_norm`, without a
-    second temporary (it accumulates wider than float32). A channels-last chunk (whose
-    strided dims `vector_norm` reduces slower) and a float64 one (which it sums without
-    `sum`'s cascade: 1e-11 apart over 1e5 values) square and sum (a channels-last chunk
-    takes `_row_deviations` instead, in `_local_stats`). The temporaries, not the
+    """`((xf - mean) ** 2).sum(within)`, block by block along `within`'s first dim: the
+    deviations are block-sized temporaries (a 16th of the chunk, at least `_MIN_BLOCK`
+    elements), not chunk-sized, squared in place. Where the reduced dims are a dense
+    float32 chunk's innermost, the squares are summed by `vector_norm`, without a second
+    temporary (it accumulates wider than float32); elsewhere (rows reduced along a dim
+    that is not innermost, or float64, which `vector_norm` sums without `sum`'s cascade:
+    1e-11 apart over 1e5 values) they are squared and summed. The temporaries, not the
     arithmetic, are what cost here: one pass over the chunk more than one device's
     GroupNorm makes."""
-    slices = xf.shape[2]
-    size = max(-(-slices // _BLOCKS), -(-_MIN_BLOCK * slices // max(xf.numel(), 1)), 1)
-    dense = memory_format(xf) == torch.contiguous_format and xf.dtype == torch.float32
+    along = within[0]
+    n = xf.shape[along]
+    size = max(-(-n // _BLOCKS), -(-_MIN_BLOCK * n // max(xf.numel(), 1)), 1)
+    dense = (memory_format(xf) == torch.contiguous_format and xf.dtype == torch.float32
+             and within[-1] == xf.ndim - 1)
     total = None
-    for block in xf.split(size, 2):
+    for block in xf.split(size, along):
         d = block - mean
-        part = torch.linalg.vector_norm(d, 2, within).square_() if dense else (d * d).sum(
-            within)
-        total = part if total is None else total.add_(part)
-    assert total is not None
-    return total
-
-
-def _row_deviations(rows: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-    """`((rows - mean) ** 2).sum(1)` for `(B, S, C)` rows and `(B, C)` means, block by
-    block along S (as `_squared_deviations`), each block's deviations squared in place."""
-    count = rows.shape[1]
-    size = max(-(-count // _BLOCKS), -(-_MIN_BLOCK // max(rows.shape[0] * rows.shape[2], 1)), 1)
-    total = None
-    for block in rows.split(size, 1):
-        part = block.sub(mean.unsqueeze(1)).square_().sum(1)
+        part = torch.linalg.vector_norm(d, 2, within).square_() if dense else \
+            d.square_().sum(within)
         total = part if total is None else total.add_(part)
     assert total is not None
     return total
