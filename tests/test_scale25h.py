@@ -39,6 +39,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
@@ -623,3 +624,66 @@ def test_causal_conv_pads_into_its_window(gloo: Any, name: str, dims: tuple[int,
     for rank, row in enumerate(gloo(2 if dims == (2,) else 4).run(
             _padded_window_inference, name, dims)):
         assert all(d <= 1e-5 for d in row.values()), (rank, row)
+
+
+class _ZeroPadCausal(nn.Module):
+    """A causal wrapper padding T (2 frames before), H and W itself with zeros, then a
+    3x3x3 conv without padding (CogVideoX's constant-mode causal conv, in small)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(4, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, (1, 1, 1, 1, 2, 0)))
+
+
+def _zero_pad_empty_chunk() -> dict[str, Any]:
+    """On this gloo rank (4 ranks, T = 3 as 1, 1, 1, 0): the zero-padding causal wrapper on
+    T under no_grad, its H and W padding written into the window in place on the ranks
+    holding frames (the apart-padded chunk forbidden there; the empty rank's window is
+    trimmed, so it pads apart, and both build the same exchange): the output's shape and
+    difference to one device's shard."""
+    import torch.distributed as dist
+
+    import haloshard._halo_forward as halo_forward
+    from haloshard import CausalConvParallel
+    from haloshard.testing import worker_mesh
+
+    mesh = worker_mesh(dist.get_world_size())
+    rank, world = mesh.get_local_rank(), mesh.size()
+    with single_device():
+        torch.manual_seed(0)
+        module = _ZeroPadCausal()
+    twin = copy.deepcopy(module)
+    parallelize_module(module, mesh, CausalConvParallel(pad="zeros",
+                                                        pads={3: (1, 1), 4: (1, 1)}))
+    full = seeded_randn((1, 4, 3, 5, 4), 1, torch.float32)
+
+    def forbidden(*args: Any) -> None:
+        raise AssertionError("the chunk was padded apart before its window")
+
+    with torch.no_grad():
+        ref = twin(full)
+        saved = halo_forward._padded_chunk
+        if rank < 3:
+            halo_forward._padded_chunk = forbidden
+        try:
+            y = module(distribute_tensor(full, mesh, [Shard(2)])).to_local()
+        finally:
+            halo_forward._padded_chunk = saved
+    want = shard(ref, 2, world, rank)
+    return {"shape": tuple(y.shape), "want": tuple(want.shape),
+            "diff": float((y - want).abs().max()) if y.numel() else 0.0}
+
+
+@pytest.mark.gloo
+def test_zero_pads_into_window_with_an_empty_chunk(gloo: Any) -> None:
+    """4 gloo ranks, T = 3 (the last rank holds no frame): a zero-padding causal wrapper's
+    H and W padding is written into the windows of the ranks holding frames in place (the
+    empty rank pads apart, in the same exchange), and every rank's output is its shard of
+    one device's (the empty rank's empty), up to float32 rounding (sums of 27 * 4 products
+    of O(1) values)."""
+    for rank, row in enumerate(gloo(4).run(_zero_pad_empty_chunk)):
+        assert row["shape"] == row["want"], (rank, row)
+        assert row["diff"] <= 1e-5, (rank, row)
