@@ -138,10 +138,10 @@ def one_rank_raises() -> str:
 
 @pytest.mark.gloo
 def test_failure_on_one_rank_is_bounded() -> None:
-    """The process group timeout (here 5 s) bounds the wait, then HaloError, not a hang."""
+    """The process group timeout (here 3 s) bounds the wait, then HaloError, not a hang."""
     from haloshard.testing import GlooWorld
 
-    world = GlooWorld(2, pg_timeout=5, timeout=60)
+    world = GlooWorld(2, pg_timeout=3, timeout=60)
     try:
         waiting, failed = world.run(one_rank_raises)
     finally:

@@ -242,7 +242,7 @@ def waiting_rank_names_the_module(timeout_s: float) -> tuple[str, float]:
 def test_waiting_rank_names_the_module() -> None:
     from haloshard.testing import GlooWorld
 
-    timeout_s = 3.0
+    timeout_s = 2.0
     world = GlooWorld(2, pg_timeout=60, timeout=120)
     try:
         (text, seconds), _ = world.run(waiting_rank_names_the_module, timeout_s)

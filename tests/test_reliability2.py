@@ -286,13 +286,13 @@ def waits(timeout_s: float) -> dict[str, tuple[str, float]]:
 
 @pytest.mark.gloo
 def test_bounded_failure_on_2d_mesh() -> None:
-    timeout_s = 3.0
+    timeout_s = 2.0
     world = GlooWorld(4, pg_timeout=timeout_s, timeout=120)
     try:
         got = world.run(bounded_on_2d, timeout_s)
     finally:
         world.close(force=True)  # a group timed out: it cannot be reused
-    assert all(r["before"] == 1800 for r in got), got  # init_device_mesh ignored 3 s
+    assert all(r["before"] == 1800 for r in got), got  # init_device_mesh ignored 2 s
     assert all(r["after"] == timeout_s for r in got), got
     partner = got[0]
     assert partner["text"].startswith("HaloError: the halo metadata exchange for "
@@ -304,7 +304,7 @@ def test_bounded_failure_on_2d_mesh() -> None:
 
 @pytest.mark.gloo
 def test_waiting_ranks_raise_halo_error() -> None:
-    timeout_s = 3.0
+    timeout_s = 2.0
     world = GlooWorld(2, pg_timeout=60, timeout=120)  # set_timeout, not the pg's, bounds it
     try:
         waiting, failed = world.run(waits, timeout_s)
