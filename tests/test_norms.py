@@ -34,12 +34,13 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2 * 2**-8 * 4}
 
 
 def case_group_norm(mesh: DeviceMesh, channels: int, groups: int, length: int,
-                    dtype: torch.dtype, layout: torch.memory_format = torch.contiguous_format
-                    ) -> None:
+                    dtype: torch.dtype, layout: torch.memory_format = torch.contiguous_format,
+                    batch: int = 2) -> None:
     world = mesh.size()
     with single_device():
         gen = torch.Generator().manual_seed(channels * 10 + length)
-        full = (torch.randn(2, channels, length, 3, 2, generator=gen, dtype=torch.float64) * 3
+        full = (torch.randn(batch, channels, length, 3, 2, generator=gen, dtype=torch.float64)
+                * 3
                 + 5)  # an offset, so naive sum-of-squares would cancel
         weight = torch.randn(channels, generator=gen, dtype=torch.float64)
         bias = torch.randn(channels, generator=gen, dtype=torch.float64)
@@ -57,6 +58,8 @@ def case_group_norm(mesh: DeviceMesh, channels: int, groups: int, length: int,
     tol = TOL[dtype]
     assert_close_per_rank(y, lambda r: shard(ref, 2, world, r).detach().to(dtype), mesh,
                           atol=tol, rtol=0)
+    if type(y) is torch.Tensor:  # as one device's GroupNorm: the output in x's layout
+        assert y.is_contiguous(memory_format=layout), y.stride()
     if dtype != torch.float64:
         return  # gradients in bfloat16 are checked by the float64 case's exactness
     assert_close_per_rank(x.grad, lambda r: shard(ref_in.grad, 2, world, r), mesh, atol=tol)
@@ -111,7 +114,10 @@ def on_gloo(dtype: torch.dtype) -> None:
     for channels, groups, length in GEOMETRY:
         case_group_norm(mesh, channels, groups, length, dtype)
         if dtype != torch.bfloat16:  # channels-last chunks, as Mochi's and LTX's convs leave them
-            case_group_norm(mesh, channels, groups, length, dtype, torch.channels_last_3d)
+            for batch in (1, 2):  # batch 1: normalised as one row of B * C channels
+                case_group_norm(mesh, channels, groups, length, dtype, torch.channels_last_3d,
+                                batch)
+            case_group_norm(mesh, channels, groups, length, dtype, batch=1)
     if dtype == torch.float64:
         for geometry in SEGMENTED:
             case_segmented(mesh, *geometry)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from haloshard import _comm
 from haloshard._agree import (
@@ -229,12 +230,13 @@ _MIN_BLOCK = 1 << 18
 def _squared_deviations(xf: torch.Tensor, mean: torch.Tensor, within: tuple[int, ...]
                         ) -> torch.Tensor:
     """`((xf - mean) ** 2).sum(within)`, block by block along `within`'s first dim: the
-    deviations are block-sized temporaries (a 16th of the chunk, at least `_MIN_BLOCK`
-    elements), not chunk-sized, squared in place. Where the reduced dims are a dense
-    float32 chunk's innermost, the squares are summed by `vector_norm`, without a second
-    temporary (it accumulates wider than float32); elsewhere (rows reduced along a dim
-    that is not innermost, or float64, which `vector_norm` sums without `sum`'s cascade:
-    1e-11 apart over 1e5 values) they are squared and summed. The temporaries, not the
+    deviations go to one block-sized buffer (a 16th of the chunk, at least `_MIN_BLOCK`
+    elements) reused for every block, not chunk-sized, squared in place. Where the
+    reduced dims are a dense float32 chunk's innermost, the squares are summed by
+    `vector_norm`, without a second temporary (it accumulates wider than float32);
+    elsewhere (rows reduced along a dim that is not innermost, or float64, which
+    `vector_norm` sums without `sum`'s cascade: 1e-11 apart over 1e5 values) they are
+    squared and summed. The temporaries, not the
     arithmetic, are what cost here: one pass over the chunk more than one device's
     GroupNorm makes."""
     along = within[0]
@@ -242,9 +244,13 @@ def _squared_deviations(xf: torch.Tensor, mean: torch.Tensor, within: tuple[int,
     size = max(-(-n // _BLOCKS), -(-_MIN_BLOCK * n // max(xf.numel(), 1)), 1)
     dense = (memory_format(xf) == torch.contiguous_format and xf.dtype == torch.float32
              and within[-1] == xf.ndim - 1)
+    blocks = xf.split(size, along)
+    # one block-sized buffer for every block's deviations: a fresh temporary per block is
+    # fresh pages per block, where the allocator hands large blocks back to the system
+    buf = xf.new_empty(blocks[0].numel())
     total = None
-    for block in xf.split(size, along):
-        d = block - mean
+    for block in blocks:
+        d = torch.sub(block, mean, out=buf[: block.numel()].view(block.shape))
         part = torch.linalg.vector_norm(d, 2, within).square_() if dense else \
             d.square_().sum(within)
         total = part if total is None else total.add_(part)
@@ -344,13 +350,29 @@ def _per_channel(t: torch.Tensor, channels: int, ndim: int) -> torch.Tensor:
 
 
 def _normalized(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                mean: torch.Tensor, rstd: torch.Tensor, seg: Segments | None) -> torch.Tensor:
+                mean: torch.Tensor, var: torch.Tensor, eps: float, seg: Segments | None
+                ) -> torch.Tensor:
     """`(x - mean) * rstd * weight + bias` with the `(R, G)` statistics. Without segments,
     as one pass over x, `x * a + b` with per-(batch, channel) `a = rstd * weight` and
     `b = bias - mean * a` (the form torch's own CPU GroupNorm kernel computes): the step
-    by step form makes four chunk-sized passes and temporaries."""
+    by step form makes four chunk-sized passes and temporaries. Where the batch's channels
+    are one dim of a view (batch 1, or a contiguous x) and x is in the working dtype, by
+    torch's inference BatchNorm kernel over `(1, B * C, *S)`, which computes exactly that
+    per channel: a broadcast `addcmul` over `(B, C, *S)` takes twice its time on CPU."""
     work = torch.promote_types(x.dtype, torch.float32)
     c, n = x.shape[1], x.ndim
+    if (seg is None and x.dtype == work and n > 2 and _comm.is_eager(x)
+            and (x.shape[0] == 1 or x.is_contiguous()) and x.numel() > 0):
+        def per_row(t: torch.Tensor) -> torch.Tensor:  # (B, G) -> (B * C,)
+            return t.repeat_interleave(c // t.shape[1], dim=1).flatten()
+
+        def per_channel(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(work).repeat(x.shape[0])
+
+        rows = x.view(1, -1, *x.shape[2:])
+        return F.batch_norm(rows, per_row(mean), per_row(var), per_channel(weight),
+                            per_channel(bias), False, 0.0, eps).view(x.shape)
+    rstd = torch.rsqrt(var + eps)
     if seg is None:
         a = _expand(rstd, c, n, None)
         if weight is not None:
@@ -394,11 +416,10 @@ class _GroupNormFn(torch.autograd.Function):
             stats = _comm.all_gather(_combined(stats).unsqueeze(0), other,
                                      "group_norm statistics all-gather")
         mean, var = _combine(stats)
-        rstd = torch.rsqrt(var + eps)
-        ctx.save_for_backward(x, weight, mean, rstd, stats[:, 0].sum(0))
+        ctx.save_for_backward(x, weight, mean, torch.rsqrt(var + eps), stats[:, 0].sum(0))
         ctx.grp, ctx.bias_dtype, ctx.seg = grp, None if bias is None else bias.dtype, seg
         ctx.more = more
-        return _normalized(x, weight, bias, mean, rstd, seg)
+        return _normalized(x, weight, bias, mean, var, eps, seg)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
