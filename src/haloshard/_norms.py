@@ -355,10 +355,11 @@ def _normalized(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor
     """`(x - mean) * rstd * weight + bias` with the `(R, G)` statistics. Without segments,
     as one pass over x, `x * a + b` with per-(batch, channel) `a = rstd * weight` and
     `b = bias - mean * a` (the form torch's own CPU GroupNorm kernel computes): the step
-    by step form makes four chunk-sized passes and temporaries. Where the batch's channels
-    are one dim of a view (batch 1, or a contiguous x) and x is in the working dtype, by
-    torch's inference BatchNorm kernel over `(1, B * C, *S)`, which computes exactly that
-    per channel: a broadcast `addcmul` over `(B, C, *S)` takes twice its time on CPU."""
+    by step form makes four chunk-sized passes and temporaries. On eager ranks, where the
+    batch's channels are one dim of a view (batch 1, or a contiguous x) and x is in the
+    working dtype, by torch's inference BatchNorm kernel over `(1, B * C, *S)`, which
+    computes exactly that per channel: a broadcast `addcmul` over `(B, C, *S)` takes twice
+    its time on CPU."""
     work = torch.promote_types(x.dtype, torch.float32)
     c, n = x.shape[1], x.ndim
     if (seg is None and x.dtype == work and n > 2 and _comm.is_eager(x)
