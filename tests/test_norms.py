@@ -39,9 +39,9 @@ def case_group_norm(mesh: DeviceMesh, channels: int, groups: int, length: int,
     world = mesh.size()
     with single_device():
         gen = torch.Generator().manual_seed(channels * 10 + length)
-        full = (torch.randn(batch, channels, length, 3, 2, generator=gen, dtype=torch.float64)
-                * 3
-                + 5)  # an offset, so naive sum-of-squares would cancel
+        # an offset, so naive sum-of-squares would cancel
+        full = torch.randn(batch, channels, length, 3, 2, generator=gen,
+                           dtype=torch.float64) * 3 + 5
         weight = torch.randn(channels, generator=gen, dtype=torch.float64)
         bias = torch.randn(channels, generator=gen, dtype=torch.float64)
         upstream = torch.randn(full.shape, generator=gen, dtype=torch.float64)

@@ -236,9 +236,8 @@ def _squared_deviations(xf: torch.Tensor, mean: torch.Tensor, within: tuple[int,
     `vector_norm`, without a second temporary (it accumulates wider than float32);
     elsewhere (rows reduced along a dim that is not innermost, or float64, which
     `vector_norm` sums without `sum`'s cascade: 1e-11 apart over 1e5 values) they are
-    squared and summed. The temporaries, not the
-    arithmetic, are what cost here: one pass over the chunk more than one device's
-    GroupNorm makes."""
+    squared and summed. The temporaries, not the arithmetic, are what cost here: one pass
+    over the chunk more than one device's GroupNorm makes."""
     along = within[0]
     n = xf.shape[along]
     size = max(-(-n // _BLOCKS), -(-_MIN_BLOCK * n // max(xf.numel(), 1)), 1)
@@ -365,14 +364,14 @@ def _normalized(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor
     if (seg is None and x.dtype == work and n > 2 and _comm.is_eager(x)
             and (x.shape[0] == 1 or x.is_contiguous()) and x.numel() > 0):
         def per_row(t: torch.Tensor) -> torch.Tensor:  # (B, G) -> (B * C,)
-            return t.repeat_interleave(c // t.shape[1], dim=1).flatten()
+            return _per_channel(t, c, 2).flatten()
 
-        def per_channel(t: torch.Tensor | None) -> torch.Tensor | None:
+        def repeated(t: torch.Tensor | None) -> torch.Tensor | None:  # (C,) -> (B * C,)
             return None if t is None else t.to(work).repeat(x.shape[0])
 
         rows = x.view(1, -1, *x.shape[2:])
-        return F.batch_norm(rows, per_row(mean), per_row(var), per_channel(weight),
-                            per_channel(bias), False, 0.0, eps).view(x.shape)
+        return F.batch_norm(rows, per_row(mean), per_row(var), repeated(weight),
+                            repeated(bias), False, 0.0, eps).view(x.shape)
     rstd = torch.rsqrt(var + eps)
     if seg is None:
         a = _expand(rstd, c, n, None)
