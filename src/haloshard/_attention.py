@@ -138,6 +138,15 @@ def _agree(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim: int,
     _check_lengths(rows, names)
 
 
+def agree_chunks(tensors: tuple[torch.Tensor, ...], dim: int, grp: _comm.Group, *,
+                 global_length: int, frame: int = 1) -> None:
+    """Check every rank's chunks of `tensors` along `dim` against `global_length` on every
+    rank at once (`HaloError` on all of them when a rank's differ): one all-gather of a
+    small row, at every call (nothing is cached)."""
+    names = tuple(f"tensor {i}" for i in range(len(tensors)))
+    _agree(tuple(tensors), names, dim, grp, global_length, frame)
+
+
 def _agree_traced(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...], dim: int,
                   grp: _comm.Group, global_length: int, frame: int, problem: str | None
                   ) -> None:

@@ -23,6 +23,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from haloshard._annotation import Annotation
+from haloshard._attention import agree_chunks
+from haloshard._comm import resolve_group
 from haloshard._compat import enabled_local_tensor_mode
 from haloshard._errors import HaloError
 from haloshard._exchange import memory_format
@@ -40,6 +42,7 @@ from haloshard._layout import PadMode, lack, shard_sizes
 from haloshard._masked_attention import frame_attention
 from haloshard._norms import group_norm
 from haloshard._site import Site, dtensor_site
+from haloshard._swap import rows_to_time, time_to_rows
 from haloshard.integrations.diffusers._base import (
     DimStyle,
     Rule,
@@ -159,9 +162,56 @@ class _MochiBlockForward(ShardedForward):
                                                      strict=True)):
             h, cache[f"resnet_{i}"] = resnet(h)
             if attn is not None:
-                attend = _pixel_attention if self.dim == 2 else _pixel_attention_rows
-                h = h + attend(attn, norm(h), self.dim)
+                along = _swapped_rows(h) if self.dim == 2 else None
+                if along is not None:
+                    h = _swapped_attention(attn, norm, h, along)
+                else:
+                    attend = _pixel_attention if self.dim == 2 else _pixel_attention_rows
+                    h = h + attend(attn, norm(h), self.dim)
         return h, cache
+
+
+def _swapped_rows(h: DTensor) -> int | None:
+    """The dim whose rows Mochi's attention along T takes T's place on (3: H, 4: W, the
+    longer of this rank's), or None: gather K/V along T instead. Eager real ranks with at
+    least a row per rank along it (the same choice on every rank of the T group: their
+    chunks' rows and columns are the same)."""
+    if (enabled_local_tensor_mode() is not None or torch.compiler.is_compiling()
+            or not isinstance(h, DTensor)):
+        return None
+    site = dtensor_site(h, 2, several=True)
+    if type(site.local) is not torch.Tensor or site.local.ndim != 5:
+        return None
+    along = 3 if site.local.shape[3] >= site.local.shape[4] else 4
+    return along if site.local.shape[along] >= site.mesh.size(site.axis) else None
+
+
+def _swapped_attention(attn: nn.Module, norm: nn.Module, h: DTensor, along: int) -> DTensor:
+    """`h + attention(norm(h))` of a Mochi block on a `Shard(T)` chunk, the attention
+    along T of each pixel's own sequence: the normalised chunk moved to this rank's rows
+    of every frame (`time_to_rows`, an all-to-all), the processor's steps run on whole
+    sequences there (`_attend_rows`: one device's kernel on `1/P` of the pixels, every rank
+    alike), the output moved back (`rows_to_time`) and added to `h`. Exact (the same
+    kernels on the same sequences); differentiable (each move is the other's backward).
+    The ranks agree on the chunk's shape and frames first (one small gather per call)."""
+    site = dtensor_site(h, 2, several=True)
+    grp = resolve_group((site.mesh, site.axis))
+    lengths = shard_sizes(site.length, grp.size)
+    x = dtensor_site(norm(h), 2, several=True).local
+    agree_chunks((x,), 2, grp, global_length=site.length)
+    rows = time_to_rows(x, grp, lengths, along)  # (T, B, H_r, W, C)
+    del x
+    tokens = rows.permute(1, 2, 3, 0, 4).contiguous()  # (B, H_r, W, T, C)
+    del rows
+    o = _attend_rows(attn, tokens).permute(3, 0, 1, 2, 4)  # (T, B, H_r, W, C), a view
+    del tokens
+    residual = site.local
+    if torch.is_grad_enabled():
+        out = residual + rows_to_time(o, grp, lengths, along, residual)
+    else:  # each piece added to the residual as it lands (one pass)
+        out = rows_to_time(o, grp, lengths, along, residual, residual=residual)
+    return DTensor.from_local(out, site.mesh, site.placements, run_check=False,
+                              shape=h.shape, stride=h.stride())
 
 
 # Inference: Mochi's attention along T runs on this many slices of the rows (or of the
@@ -313,7 +363,16 @@ def _pixel_attention_rows(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
         longest = shard_sizes(site.length, site.mesh.size(site.axis))[0]
         x = F.pad(x, (0, 0, 0, lack(n, longest)))
     tokens = x.permute(0, 3, 4, 2, 1).contiguous()  # (B, H_r, W, T, C)
+    o = _attend_rows(attn, tokens).permute(0, 4, 3, 1, 2).narrow(dim, 0, n)
+    stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
+    # a view, as one device's block adds it to the residual (see `_pixel_attention`)
+    return DTensor.from_local(o, site.mesh, site.placements, run_check=False, shape=h.shape,
+                              stride=stride)
 
+
+def _attend_rows(attn: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """`MochiVaeAttnProcessor2_0` on whole sequences: `(B, H_r, W, T, C)` tokens (each
+    pixel's every frame, contiguous) -> the processor's output, same layout."""
     def heads(lin: nn.Module, norm: nn.Module | None) -> torch.Tensor:
         t = lin(tokens).flatten(0, 2)  # one sequence per pixel, as the processor's batch
         t = t.unflatten(-1, (attn.heads, t.shape[-1] // attn.heads)).transpose(1, 2)
@@ -328,13 +387,13 @@ def _pixel_attention_rows(attn: nn.Module, h: DTensor, dim: int) -> DTensor:
     del q, k, v
     o = attn.to_out[1](attn.to_out[0](o.transpose(1, 2).flatten(-2)))  # (B*H_r*W, T, C)
     o = o.unflatten(0, tokens.shape[:3])  # (B, H_r, W, T, C)
-    if attn.residual_connection:
-        o = o + tokens
-    o = (o / attn.rescale_output_factor).permute(0, 4, 3, 1, 2).narrow(dim, 0, n)
-    stride = tuple(math.prod(h.shape[i + 1 :]) for i in range(h.ndim))
-    # a view, as one device's block adds it to the residual (see `_pixel_attention`)
-    return DTensor.from_local(o, site.mesh, site.placements, run_check=False, shape=h.shape,
-                              stride=stride)
+    if torch.is_grad_enabled():
+        if attn.residual_connection:
+            o = o + tokens
+        return o / attn.rescale_output_factor
+    if attn.residual_connection:  # in place: the same sums, one buffer fewer
+        o.add_(tokens)
+    return o.div_(attn.rescale_output_factor)
 
 
 def _check_mochi_attention(attn: nn.Module, fqn: str) -> None:
@@ -355,10 +414,13 @@ class MochiBlockParallel(DimStyle):
     """`MochiDownBlock3D` / `MochiMidBlock3D` on `Shard(T)`, attention included, exact.
 
     The block's conv_in, resnets and norms run through their own plan entries; each
-    attention (causal along T, one sequence per pixel) runs as its processor does, with
-    `frame_attention(causal=True)` over keys and values gathered along T. Memory, training:
-    every rank holds the block's full K and V (`2 * B * T * H * W * C`): all pixels attend
-    along T; under `torch.no_grad()`: two ranks' blocks of them, one source rank at a time.
+    attention (causal along T, one sequence per pixel) runs as its processor does. On real
+    ranks its input moves to this rank's rows of every frame and back (`_swapped_attention`:
+    an all-to-all each way, `(P - 1) / P` of the chunk each, balanced, memory `1/P` of one
+    device's). Under simulated ranks, or with fewer rows and columns than ranks, it runs
+    `frame_attention(causal=True)` over keys and values gathered along T instead
+    (training: every rank holds the block's full K and V, `2 * B * T * H * W * C`; under
+    `torch.no_grad()`: two ranks' blocks of them, one source rank at a time).
 
     With H sharded (`dim=3`) every pixel's T is on its rank: the attention runs on this
     rank's rows and nothing moves.
