@@ -42,7 +42,13 @@ def _round_trip(shape: tuple[int, ...], along: int, channels_last: bool) -> dict
     back.backward(torch.ones_like(back))
     with torch.no_grad():
         fused = rows_to_time(rows, grp, lengths, along, local, residual=local)
+    leaf = local.detach().requires_grad_()  # a backward that builds a graph, then its own
+    (g,) = torch.autograd.grad((time_to_rows(leaf, grp, lengths, along) ** 2).sum(), leaf,
+                               create_graph=True)
+    g.sum().backward()
     return {"rows": bool(torch.equal(rows, want)),
+            "double": bool(torch.equal(g, leaf * 2))
+            and bool(torch.equal(leaf.grad, torch.full_like(leaf, 2.0))),
             "back": bool(torch.equal(back, local * 2)),
             "fused": bool(torch.equal(fused, local * 2)),
             "layout": back.stride() == local.stride() and fused.stride() == local.stride(),
@@ -55,7 +61,8 @@ def _round_trip(shape: tuple[int, ...], along: int, channels_last: bool) -> dict
 def test_round_trip_exact(gloo: Any, world: int, shape: tuple[int, ...], along: int) -> None:
     """Data moves are exact: to rows and back gives the chunk bit for bit, in its own
     layout (contiguous and channels-last), uneven and empty chunks of T (3 frames on 4
-    ranks) and of the rows; the backward of the two moves is the identity too."""
+    ranks) and of the rows; the backward of the two moves is the identity too, and a
+    backward that builds a graph differentiates through them again."""
     for channels_last in (False, True):
         for rank, row in enumerate(gloo(world).run(_round_trip, shape, along, channels_last)):
             assert all(row.values()), (rank, channels_last, row)

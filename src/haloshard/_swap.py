@@ -109,7 +109,10 @@ class _TimeToRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return _to_time(grad, ctx.grp, ctx.lengths, ctx.along, ctx.like), None, None, None
+        # the reverse move as a node of its own: a backward that builds a graph
+        # (`create_graph=True`) differentiates through it in turn
+        return _RowsToTime.apply(grad, ctx.grp, ctx.lengths, ctx.along, ctx.like), None, \
+            None, None
 
 
 class _RowsToTime(torch.autograd.Function):
@@ -121,7 +124,8 @@ class _RowsToTime(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return _to_rows(grad, ctx.grp, ctx.lengths, ctx.along), None, None, None, None
+        return _TimeToRows.apply(grad, ctx.grp, ctx.lengths, ctx.along), None, None, None, \
+            None
 
 
 def time_to_rows(x: torch.Tensor, grp: _comm.Group, lengths: tuple[int, ...], along: int
