@@ -24,6 +24,16 @@ def _group() -> Any:
     return mesh, resolve_group(mesh)
 
 
+_MOVES = [((1, 3, 7, 5, 4), 3), ((2, 3, 5, 3, 6), 4), ((1, 2, 3, 4, 4), 3)]
+
+
+def _round_trips() -> list[dict[str, Any]]:
+    """On this gloo rank: every case of `_MOVES`, contiguous and channels-last."""
+    return [{"case": (shape, along, channels_last),
+             **_round_trip(shape, along, channels_last)}
+            for shape, along in _MOVES for channels_last in (False, True)]
+
+
 def _round_trip(shape: tuple[int, ...], along: int, channels_last: bool) -> dict[str, Any]:
     """On this gloo rank: a chunk moved to rows and back, forward and backward."""
     from haloshard._layout import shard_sizes
@@ -56,16 +66,14 @@ def _round_trip(shape: tuple[int, ...], along: int, channels_last: bool) -> dict
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize(("shape", "along"), [((1, 3, 7, 5, 4), 3), ((2, 3, 5, 3, 6), 4),
-                                              ((1, 2, 3, 4, 4), 3)])
-def test_round_trip_exact(gloo: Any, world: int, shape: tuple[int, ...], along: int) -> None:
+def test_round_trip_exact(gloo: Any, world: int) -> None:
     """Data moves are exact: to rows and back gives the chunk bit for bit, in its own
     layout (contiguous and channels-last), uneven and empty chunks of T (3 frames on 4
     ranks) and of the rows; the backward of the two moves is the identity too, and a
     backward that builds a graph differentiates through them again."""
-    for channels_last in (False, True):
-        for rank, row in enumerate(gloo(world).run(_round_trip, shape, along, channels_last)):
-            assert all(row.values()), (rank, channels_last, row)
+    for rank, rows in enumerate(gloo(world).run(_round_trips)):
+        for row in rows:
+            assert all(v for k, v in row.items() if k != "case"), (rank, row)
 
 
 def _mochi_attention(grad: bool, shape: tuple[int, ...], channels_last: bool
@@ -122,6 +130,15 @@ def _mochi_attention(grad: bool, shape: tuple[int, ...], channels_last: bool
     return out
 
 
+def _mochi_attentions() -> list[dict[str, Any]]:
+    """On this gloo rank: `_mochi_attention` for two shapes (H or W the longer, batch 1
+    and 2), inference and training, contiguous and channels-last."""
+    return [{"case": (shape, grad, channels_last),
+             **_mochi_attention(grad, shape, channels_last)}
+            for shape in ((1, 8, 7, 6, 4), (2, 8, 7, 3, 5)) for grad in (False, True)
+            for channels_last in (False, True)]
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_mochi_attention_swapped(gloo: Any, world: int) -> None:
     """Mochi's attention along T through the all-to-all to rows: the same as one device's
@@ -130,15 +147,13 @@ def test_mochi_attention_swapped(gloo: Any, world: int) -> None:
     or W taken (the longer). Float64: the sharded attention runs the same kernels on the
     same sequences; what differs is the linear layers' row blocking and the parameter
     gradients' sum over ranks (1e-12 bounds both at these O(1) values)."""
-    for shape in ((1, 8, 7, 6, 4), (2, 8, 7, 3, 5)):
-        for grad in (False, True):
-            for channels_last in (False, True):
-                rows = gloo(world).run(_mochi_attention, grad, shape, channels_last)
-                for rank, row in enumerate(rows):
-                    assert row["along"] == (3 if shape[3] >= shape[4] else 4), row
-                    assert row["layout"] == 1.0, (rank, row)
-                    assert max(v for k, v in row.items() if k not in ("along", "layout")) \
-                        <= 1e-12, (rank, grad, channels_last, shape, row)
+    for rank, rows in enumerate(gloo(world).run(_mochi_attentions)):
+        for row in rows:
+            shape = row["case"][0]
+            assert row["along"] == (3 if shape[3] >= shape[4] else 4), row
+            assert row["layout"] == 1.0, (rank, row)
+            assert max(v for k, v in row.items() if k not in ("along", "layout", "case")) \
+                <= 1e-12, (rank, row)
 
 
 def _mochi_encoder(shape: tuple[int, ...]) -> str:
@@ -162,17 +177,15 @@ def _mochi_encoder(shape: tuple[int, ...]) -> str:
     return "ok"
 
 
-@pytest.mark.parametrize(("world", "shape"), [
-    (3, (1, 3, 7, 16, 16)),  # 3, 3, 1 frames -> 2, 2, 0 at the attention (8x8 pixels)
-    (2, (1, 3, 13, 16, 8)),  # 7, 6 -> 4, 3 at the attention (8x4 pixels: H taken)
-])
-def test_mochi_encoder_on_time(gloo: Any, world: int, shape: tuple[int, ...]) -> None:
+def test_mochi_encoder_on_time(gloo: Any) -> None:
     """Mochi's whole encoder on T on real ranks, whose attention takes the all-to-all to
     rows (simulated ranks keep the K/V path): exact against one device, float64, forward,
     input gradient and every parameter gradient (the tolerance, as tests/test_diffusers.py's:
     sums of O(1) values in another order through ~20 layers; a bias before a GroupNorm has
     a gradient of ~1e-12, zero up to that rounding)."""
-    assert gloo(world).run(_mochi_encoder, shape, timeout=300) == ["ok"] * world
+    # 3 ranks, 7 frames as 3, 3, 1 -> 2, 2, 0 at the attention (an empty chunk), whose
+    # 4x8 pixels move along W (the longer)
+    assert gloo(3).run(_mochi_encoder, (1, 3, 7, 8, 16), timeout=300) == ["ok"] * 3
 
 
 def _wrong_frames() -> None:
@@ -202,3 +215,45 @@ def test_mistake_on_one_rank_raises_everywhere(gloo: Any) -> None:
     for ok, value in gloo(2).outcomes(_wrong_frames, timeout=60):
         assert not ok and value[0] == "HaloError", value
         assert "chunk lengths [3, 4]" in value[1] and "global_length=6" in value[1], value
+
+
+def _mochi_attention_two_axes() -> dict[str, float]:
+    """On this gloo rank of a `(t, h)` mesh of 2 x 2: the swapped attention on a chunk
+    sharded on T and H, against one device's block steps (inference and training)."""
+    from diffusers.models.attention_processor import Attention, MochiVaeAttnProcessor2_0
+
+    from haloshard.integrations.diffusers.mochi import _swapped_attention, _swapped_rows
+
+    mesh = worker_mesh((2, 2), mesh_dim_names=("t", "h"))
+    t_rank, h_rank = mesh.get_local_rank(0), mesh.get_local_rank(1)
+    torch.manual_seed(0)
+    attn = Attention(query_dim=8, heads=2, dim_head=4, qk_norm="l2", is_causal=True,
+                     processor=MochiVaeAttnProcessor2_0()).double()
+    full = seeded_randn((1, 8, 7, 5, 6), 1, torch.float64)
+    x_ref = full.clone().requires_grad_()
+    tokens = x_ref.permute(0, 3, 4, 2, 1).flatten(0, 2)
+    ref = x_ref + attn(tokens).unflatten(0, (1, 5, 6)).permute(0, 4, 3, 1, 2)
+    ref.sum().backward()
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        return shard(shard(t, 2, 2, t_rank), 3, 2, h_rank)
+
+    local = mine(full).clone().requires_grad_()
+    x = DTensor.from_local(local, mesh, [Shard(2), Shard(3)], run_check=False,
+                           shape=full.shape, stride=full.stride())
+    y = _swapped_attention(attn, torch.nn.Identity(), x, _swapped_rows(x)).to_local()
+    y.sum().backward()
+    with torch.no_grad():
+        y_inf = _swapped_attention(attn, torch.nn.Identity(), x, 4).to_local()
+    return {"along": _swapped_rows(x), "diff": float((y - mine(ref)).abs().max()),
+            "inference": float((y_inf - mine(ref)).abs().max()),
+            "grad": float((local.grad - mine(x_ref.grad)).abs().max())}
+
+
+def test_mochi_attention_two_axes(gloo: Any) -> None:
+    """T and H sharded at once (2 x 2, 7 frames as 4, 3 and 5 rows as 3, 2): the moves run
+    within each T group along W (6 columns, longer than a rank's rows), exact against one
+    device in float64 (output, inference output, input gradient; 1e-12 as above)."""
+    for rank, row in enumerate(gloo(4).run(_mochi_attention_two_axes)):
+        assert row.pop("along") == 4, (rank, row)
+        assert max(row.values()) <= 1e-12, (rank, row)
