@@ -27,41 +27,47 @@ from typing import Any
 import torch
 
 from haloshard import _comm
-from haloshard._layout import shard_sizes
+from haloshard._layout import shard_size_and_offset
 
 # (B, C, T_r, H, W) -> (T_r, B, H, W, C): frames outermost, channels innermost
 _ROWS_ORDER = (2, 0, 3, 4, 1)
 _CHUNK_ORDER = (1, 4, 0, 2, 3)  # its inverse
 
 
-def _starts(sizes: tuple[int, ...]) -> list[int]:
-    return [sum(sizes[:i]) for i in range(len(sizes))]
+def _splits(length: int, world: int) -> list[tuple[int, int]]:
+    """Every rank's `(rows, first row)` of a `Shard` split of `length` rows."""
+    return [shard_size_and_offset(length, world, r) for r in range(world)]
+
+
+def _per_row(t: torch.Tensor, along: int) -> int:
+    """The elements of one slice of `t` along `along`."""
+    return t.numel() // t.shape[along] if t.shape[along] else 0
+
+
+def _packed(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """`pieces` (any shapes and strides) side by side in one flat buffer, in order, each
+    copied once: an all-to-all's message to each peer in turn."""
+    flat = pieces[0].new_empty(sum(p.numel() for p in pieces))
+    at = 0
+    for piece in pieces:
+        flat.narrow(0, at, piece.numel()).view(piece.shape).copy_(piece)
+        at += piece.numel()
+    return flat
 
 
 def _to_rows(x: torch.Tensor, grp: _comm.Group, lengths: tuple[int, ...], along: int
              ) -> torch.Tensor:
     """This rank's `(B, C, T_r, H, W)` chunk -> its rows of every frame, `(T, B, H_r, W, C)`
     (`along=3`), every rank's frames in order."""
-    rank = int(grp.rank)
-    rows = shard_sizes(x.shape[along], grp.size)
-    send = x.new_empty(x.numel())
-    at = 0
-    for start, n in zip(_starts(rows), rows, strict=True):
-        piece = x.narrow(along, start, n).permute(_ROWS_ORDER)
-        send.narrow(0, at, piece.numel()).view(piece.shape).copy_(piece)
-        at += piece.numel()
+    splits = _splits(x.shape[along], grp.size)
+    send = _packed([x.narrow(along, start, n).permute(_ROWS_ORDER) for n, start in splits])
     shape = [*x.shape]
-    shape[along] = rows[rank]
+    shape[along] = splits[int(grp.rank)][0]
     per_frame = math.prod(shape[:2] + shape[3:])  # B * C * H_r * W
     recv = _comm.all_to_all(send, [t * per_frame for t in lengths],
-                            [piece_numel(x, along, n) for n in rows], grp)
+                            [_per_row(x, along) * n for n, _ in splits], grp)
     b, c, _, h, w = shape
     return recv.view(sum(lengths), b, h, w, c)
-
-
-def piece_numel(x: torch.Tensor, along: int, n: int) -> int:
-    """The elements of `x`'s slice of `n` rows (or columns) along `along`."""
-    return x.numel() // x.shape[along] * n if x.shape[along] else 0
 
 
 def _to_time(o: torch.Tensor, grp: _comm.Group, lengths: tuple[int, ...], along: int,
@@ -69,23 +75,16 @@ def _to_time(o: torch.Tensor, grp: _comm.Group, lengths: tuple[int, ...], along:
     """`(T, B, H_r, W, C)` rows of every frame -> this rank's frames of every row, a chunk
     shaped and laid out as `like` (any device: only its shape and strides are read;
     `residual` added, when given, as the pieces land)."""
-    rank = int(grp.rank)
-    rows = shard_sizes(like.shape[along], grp.size)
+    splits = _splits(like.shape[along], grp.size)
     per_frame = o[0].numel() if o.shape[0] else 0
-    pieces = o.split(list(lengths))
-    send = o.new_empty(o.numel()) if not o.is_contiguous() else o.reshape(-1)
-    if not o.is_contiguous():
-        at = 0
-        for piece in pieces:
-            send.narrow(0, at, piece.numel()).view(piece.shape).copy_(piece)
-            at += piece.numel()
-    t_r = lengths[rank]
-    per_row = like.numel() // like.shape[along] if like.shape[along] else 0
-    recv = _comm.all_to_all(send, [per_row * n for n in rows],
+    # each peer's frames are one block of dim 0: a contiguous `o` is its own message
+    send = o.reshape(-1) if o.is_contiguous() else _packed(list(o.split(list(lengths))))
+    per_row = _per_row(like, along)
+    recv = _comm.all_to_all(send, [per_row * n for n, _ in splits],
                             [t * per_frame for t in lengths], grp)
     out = torch.empty_strided(like.shape, like.stride(), dtype=o.dtype, device=o.device)
-    at = 0
-    for start, n in zip(_starts(rows), rows, strict=True):
+    at, t_r = 0, lengths[int(grp.rank)]
+    for n, start in splits:
         shape = [*like.shape]
         shape[along] = n
         b, c, _, h, w = shape
