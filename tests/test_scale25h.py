@@ -687,3 +687,100 @@ def test_zero_pads_into_window_with_an_empty_chunk(gloo: Any) -> None:
     for rank, row in enumerate(gloo(4).run(_zero_pad_empty_chunk)):
         assert row["shape"] == row["want"], (rank, row)
         assert row["diff"] <= 1e-5, (rank, row)
+
+
+# ---------------------------------------------------------------- CogVideoX's causal conv
+def cogvideox_vae() -> nn.Module:
+    from diffusers import AutoencoderKLCogVideoX
+
+    with single_device():
+        torch.manual_seed(0)
+        return AutoencoderKLCogVideoX(
+            in_channels=3, out_channels=3, latent_channels=4,
+            down_block_types=("CogVideoXDownBlock3D",) * 3,
+            up_block_types=("CogVideoXUpBlock3D",) * 3,
+            block_out_channels=(8, 8, 8), layers_per_block=1, norm_num_groups=2,
+            temporal_compression_ratio=4).double().eval()
+
+
+def _cog_conv_window() -> dict[str, Any]:
+    """On this gloo rank (2 ranks, 16 rows as 8, 8): CogVideoX's constant-mode causal conv
+    with H sharded, under no_grad, called as its loop calls it (a first batch, then a
+    batch with the first's conv cache). The bytes live when the second conv starts, and
+    each output's and cache's difference to one device's."""
+    import torch.distributed as dist
+    from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXCausalConv3d
+
+    from haloshard.testing import worker_mesh
+
+    mesh = worker_mesh(dist.get_world_size())
+    rank, world = mesh.get_local_rank(), mesh.size()
+    style = _rows_style(cogvideox_vae().encoder, "CogVideoXCausalConv3d")
+    with single_device():
+        torch.manual_seed(0)
+        module = CogVideoXCausalConv3d(16, 16, 3)
+    twin = copy.deepcopy(module)
+    parallelize_module(module, mesh, style)
+    first, second = (seeded_randn((1, 16, t, 16, 16), s, torch.float32)
+                     for t, s in ((12, 1), (16, 2)))
+    with torch.no_grad():
+        y1_ref, cache_ref = twin(first)
+        y2_ref, cache2_ref = twin(second, cache_ref)
+        y1, cache = module(distribute_tensor(first, mesh, [Shard(3)]))
+        x2 = distribute_tensor(second, mesh, [Shard(3)])
+        module(x2, cache)  # agrees the cached call's window
+        live, (y2, cache2) = live_at_conv(lambda: module(x2, cache))
+    diffs = {name: float((got.to_local() - shard(want, 3, world, rank)).abs().max())
+             for name, got, want in (("y1", y1, y1_ref), ("cache", cache, cache_ref),
+                                     ("y2", y2, y2_ref), ("cache2", cache2, cache2_ref))}
+    return {"style": type(style).__name__, "live": live, "diffs": diffs}
+
+
+@pytest.mark.gloo
+def test_cog_rows_causal_conv_holds_one_window(gloo2: Any) -> None:
+    """2 gloo ranks, H sharded, inference: CogVideoX's causal conv writes its cached frames
+    and its input straight into the conv's window of rows, so when the conv starts a rank
+    holds that window (2 + 16 frames, its 8 rows and a halo row each side) and the new
+    cache (2 frames of its rows): 1.09 of the window, where the module's `torch.cat` and
+    the window built from it held 2.0 (CogVideoX's encode on H peaked there). Exact
+    against one device up to float32 rounding (sums of 27 * 16 products of O(1) values),
+    output and cache, with and without a cache."""
+    window = 16 * 18 * 10 * 16 * 4
+    for rank, row in enumerate(gloo2.run(_cog_conv_window)):
+        assert row["style"] == "CogRowsCausalParallel", row
+        assert row["live"] <= 1.15 * window, (rank, row["live"] / window)
+        assert all(d <= 1e-5 for d in row["diffs"].values()), (rank, row)
+
+
+def _cog_loops_rows() -> dict[str, float]:
+    """On this gloo rank (4 ranks): CogVideoX's own `_encode` (17 frames: batches of 9
+    and 8, 9 rows as 3, 2, 2, 2, then 2, 1, 1, 1 and 1, 1, 1, 0 after the downsamplers)
+    and `_decode` (5 latent frames: batches of 3 and 2; 3 rows as 1, 1, 1, 0, then 2, 2,
+    1, 1 after an upsampler) with H sharded, under no_grad: causal convs building their
+    windows in one buffer where every rank holds rows, the module's own forward where one
+    holds none. Each result's largest difference to one device's."""
+    import torch.distributed as dist
+
+    from haloshard.testing import worker_mesh
+
+    mesh = worker_mesh(dist.get_world_size())
+    vae = cogvideox_vae()
+    twin = copy.deepcopy(vae)
+    parallelize_module(vae, mesh, plan_for(vae, dims=(3,)))
+    x = seeded_randn((1, 3, 17, 9, 6), 1)
+    z = seeded_randn((1, 4, 5, 3, 2), 2)
+    with torch.no_grad():
+        got = {"encode": (vae._encode(distribute_tensor(x, mesh, [Shard(3)])),
+                          twin._encode(x)),
+               "decode": (vae._decode(distribute_tensor(z, mesh, [Shard(3)])).sample,
+                          twin._decode(z).sample)}
+    return {name: float((y.full_tensor() - ref).abs().max()) for name, (y, ref) in got.items()}
+
+
+@pytest.mark.gloo
+def test_cog_loops_rows_gloo(gloo: Any) -> None:
+    """4 gloo ranks: CogVideoX's public loops over frame batches (the conv cache carried
+    from batch to batch) with H sharded, in inference, against one device (float64,
+    1e-12: the same sums in another order; a misplaced row or frame is O(1))."""
+    for rank, row in enumerate(gloo(4).run(_cog_loops_rows, timeout=300)):
+        assert all(d <= 1e-12 for d in row.values()), (rank, row)

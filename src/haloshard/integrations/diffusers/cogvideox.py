@@ -20,12 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from haloshard import _segments
 from haloshard._attention import gather_many
+from haloshard._comm import is_eager
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
+from haloshard._exchange import empty_like_layout, prepare_halo
 from haloshard._forward import (
     ShardedForward,
     install,
@@ -39,8 +41,8 @@ from haloshard._layer_styles import (
 from haloshard._layout import shard_size_and_offset, shard_sizes
 from haloshard._norms import group_norm
 from haloshard._segments import frame_batches
-from haloshard._site import dtensor_site
-from haloshard._specs import ConvStencil
+from haloshard._site import dtensor_site, rewrap
+from haloshard._specs import ConvStencil, plan_windows
 from haloshard._styles import HaloParallel
 from haloshard.integrations.diffusers._base import (
     DimStyle,
@@ -264,13 +266,106 @@ COGVIDEOX_RULES: dict[str, Rule] = {
     "CogVideoXSafeConv3d": (lambda m: pointwise(m), True),  # 1x1 shortcut, quant convs
     "GroupNorm": (lambda m: GroupNormParallel(), True),
 }
-def _cog_rows_conv(module: nn.Module) -> ParallelStyle | dict[str, ParallelStyle]:
+def _cog_rows_conv(module: nn.Module) -> ParallelStyle:
     """CogVideoX's causal conv with H sharded: replicate mode pads H with `F.pad`
     (Mochi's), constant mode leaves H to its conv's own zero padding (its `torch.cat` of
     first frames is along T, whole here)."""
     if module.pad_mode == "replicate":
         return rows_causal_conv(module)
-    return {"conv": HaloParallel(dim=3)}
+    return CogRowsCausalParallel(dim=3)
+
+
+class CogRowsCausalParallel(DimStyle):
+    """`CogVideoXCausalConv3d` in constant mode (CogVideoX's own) with H sharded: its conv
+    takes the H halo (`HaloParallel(dim=3)`), its `torch.cat` of cached frames along T
+    runs as the module's.
+
+    In inference on real ranks the wrapper's forward runs here instead: its cached frames
+    (or its first frame, `k - 1` times) and its input are written straight into the
+    conv's window of rows, whose halo rows the exchange then fills, and the conv runs on
+    that window (its H padding dropped, the halo holds it). The module's `torch.cat` and
+    the conv's window were two buffers of the chunk's size, live at once when the conv
+    starts (CogVideoX's encode on H peaked there at 1.18 of one device's share); one is
+    left. Its conv cache is the module's: the last `k - 1` frames of its cat, this rank's
+    rows. Training and simulated ranks run the module's own forward.
+
+    Raises:
+        HaloError: in `_apply` for another class, a dim other than 3, a replicate-mode
+            conv, or a conv that pads H otherwise than by `(k_H - 1) // 2` zeros each
+            side with stride and dilation 1 along H.
+    """
+
+    @names_errors
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        check_class(module, "CogVideoXCausalConv3d", "CogRowsCausalParallel")
+        conv = module.conv
+        k = conv.kernel_size[1]
+        if self.dim != 3 or module.pad_mode == "replicate" or k % 2 == 0 or (
+                conv.padding[1], conv.stride[1], conv.dilation[1]) != ((k - 1) // 2, 1, 1):
+            raise HaloError(f"CogRowsCausalParallel shards H (dim 3) of a constant-mode "
+                            f"CogVideoXCausalConv3d whose conv pads H by (k - 1) // 2 with "
+                            f"stride and dilation 1, got dim={self.dim}, pad_mode "
+                            f"{module.pad_mode!r}, kernel {k}, padding {conv.padding[1]}, "
+                            f"stride {conv.stride[1]}, dilation {conv.dilation[1]}")
+        parallelize_module(conv, device_mesh, HaloParallel(dim=3))
+        install(module, _RowsCausalForward(module, 3, device_mesh))
+        return module
+
+
+class _RowsCausalForward(ShardedForward):
+    """`CogVideoXCausalConv3d.forward(inputs, conv_cache)` (constant mode) on a `Shard(3)`
+    DTensor: the cat of cached frames and input built in the conv's window of rows."""
+
+    def fresh(self) -> None:
+        self.agreed: dict[Any, Any] = {}
+
+    def sharded(self, inputs: torch.Tensor, conv_cache: torch.Tensor | None = None) -> Any:
+        m = self.module
+        if not self._in_window(inputs, conv_cache):
+            return self.original(inputs, conv_cache)
+        site, k1 = dtensor_site(inputs, 3), m.time_kernel_size - 1
+        halo = m.conv.forward  # the conv's HaloForward: its H stencil
+        plan = plan_windows(halo.annotation.stencil, site.length, site.mesh.size(site.axis))
+        x = site.local
+        b, c, t, n, w = x.shape
+        buf = empty_like_layout(x, [b, c, k1 + t, plan.left + n + plan.right, w])
+        rows = buf.narrow(3, plan.left, n)
+        cached = x[:, :, :1].expand(b, c, k1, n, w) if conv_cache is None \
+            else conv_cache.to_local()
+        rows[:, :, :k1].copy_(cached)
+        rows[:, :, k1:].copy_(x)
+        del x, cached
+        cache = rewrap(rows[:, :, -k1:].clone(), site, 3, site.length)
+        signature = ((b, c, k1 + t, site.length, w), buf.dtype, site.placements,
+                     id(site.mesh), site.axis)
+        move, _ = prepare_halo(rows, plan.left, plan.right, 3, (site.mesh, site.axis),
+                               pad="zeros", global_length=site.length,
+                               reuse=(self.agreed, "window", signature))
+        if move is not None:
+            move.fill(buf, rows, move.start(rows))
+        # the class's own forward (CogVideoXSafeConv3d's chunking) with its H padding
+        # dropped while the halo is installed
+        y = type(m.conv).forward(m.conv, buf)
+        return rewrap(y, site, 3, plan.out_length), cache
+
+    def _in_window(self, inputs: torch.Tensor, conv_cache: torch.Tensor | None) -> bool:
+        """Whether the window is built here: inference on real ranks, H the only sharded
+        dim, every rank holding rows whose window is its rows and their halo (the same
+        answer on every rank: global shapes and modes only)."""
+        if (torch.is_grad_enabled() or type(inputs) is not DTensor
+                or self.module.time_kernel_size < 2
+                or (conv_cache is not None and type(conv_cache) is not DTensor)
+                or not is_eager(inputs.to_local())):
+            return False
+        site = dtensor_site(inputs, 3, several=True)
+        if site.others or (conv_cache is not None and conv_cache.placements != inputs.placements):
+            return False
+        world = site.mesh.size(site.axis)
+        plan = plan_windows(self.module.conv.forward.annotation.stencil, site.length, world)
+        sizes = shard_sizes(site.length, world)
+        return min(sizes) > 0 and all(
+            (plan.win_start[r], plan.win_len[r], plan.win_zeros[r])
+            == (0, plan.left + sizes[r] + plan.right, 0) for r in range(world))
 
 
 def _cog_rows_resample(module: nn.Module) -> ParallelStyle:
