@@ -740,15 +740,19 @@ def _cog_conv_window() -> dict[str, Any]:
 def test_cog_rows_causal_conv_holds_one_window(gloo2: Any) -> None:
     """2 gloo ranks, H sharded, inference: CogVideoX's causal conv writes its cached frames
     and its input straight into the conv's window of rows, so when the conv starts a rank
-    holds that window (2 + 16 frames, its 8 rows and a halo row each side) and the new
-    cache (2 frames of its rows): 1.09 of the window, where the module's `torch.cat` and
+    holds that window (2 + 16 frames, its 8 rows and a halo row each side), the new
+    cache (2 frames of its rows) and at most the exchange's rows: 1.09 to 1.29 of the
+    window, where the module's `torch.cat` and
     the window built from it held 2.0 (CogVideoX's encode on H peaked there). Exact
     against one device up to float32 rounding (sums of 27 * 16 products of O(1) values),
     output and cache, with and without a cache."""
-    window = 16 * 18 * 10 * 16 * 4
+    window, row_bytes, cache = 16 * 18 * 10 * 16 * 4, 16 * 18 * 16 * 4, 16 * 2 * 8 * 16 * 4
     for rank, row in enumerate(gloo2.run(_cog_conv_window)):
         assert row["style"] == "CogRowsCausalParallel", row
-        assert row["live"] <= 1.15 * window, (rank, row["live"] / window)
+        # gloo's worker thread may still hold the exchange's sent and received row when
+        # the conv starts; 16 KiB of small buffers
+        assert row["live"] <= window + cache + 2 * row_bytes + 2**14, (
+            rank, row["live"] / window)
         assert all(d <= 1e-5 for d in row["diffs"].values()), (rank, row)
 
 

@@ -24,10 +24,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from haloshard import _segments
 from haloshard._attention import gather_many
-from haloshard._comm import is_eager
 from haloshard._compat import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from haloshard._errors import HaloError
-from haloshard._exchange import empty_like_layout, prepare_halo
 from haloshard._forward import (
     ShardedForward,
     install,
@@ -42,7 +40,7 @@ from haloshard._layout import shard_size_and_offset, shard_sizes
 from haloshard._norms import group_norm
 from haloshard._segments import frame_batches
 from haloshard._site import dtensor_site, rewrap
-from haloshard._specs import ConvStencil, plan_windows
+from haloshard._specs import ConvStencil
 from haloshard._styles import HaloParallel
 from haloshard.integrations.diffusers._base import (
     DimStyle,
@@ -56,6 +54,7 @@ from haloshard.integrations.diffusers._base import (
     rows_causal_conv,
     rows_pointwise,
 )
+from haloshard.integrations.diffusers._rows import rows_site, rows_window
 from haloshard.integrations.diffusers.stencils import RepeatConvStencil
 
 
@@ -321,51 +320,20 @@ class _RowsCausalForward(ShardedForward):
 
     def sharded(self, inputs: torch.Tensor, conv_cache: torch.Tensor | None = None) -> Any:
         m = self.module
-        if not self._in_window(inputs, conv_cache):
+        stencil = m.conv.forward.annotation.stencil  # the conv's HaloForward: its H halo
+        site = rows_site(inputs, (conv_cache,), stencil) if m.time_kernel_size > 1 else None
+        if site is None:
             return self.original(inputs, conv_cache)
-        site, k1 = dtensor_site(inputs, 3), m.time_kernel_size - 1
-        halo = m.conv.forward  # the conv's HaloForward: its H stencil
-        plan = plan_windows(halo.annotation.stencil, site.length, site.mesh.size(site.axis))
-        x = site.local
-        b, c, t, n, w = x.shape
-        buf = empty_like_layout(x, [b, c, k1 + t, plan.left + n + plan.right, w])
-        rows = buf.narrow(3, plan.left, n)
-        cached = x[:, :, :1].expand(b, c, k1, n, w) if conv_cache is None \
+        k1, x = m.time_kernel_size - 1, site.local
+        cached = x[:, :, :1].expand(-1, -1, k1, -1, -1) if conv_cache is None \
             else conv_cache.to_local()
-        rows[:, :, :k1].copy_(cached)
-        rows[:, :, k1:].copy_(x)
+        buf, rows, plan = rows_window(site, stencil, [cached, x], self.agreed)
         del x, cached
         cache = rewrap(rows[:, :, -k1:].clone(), site, 3, site.length)
-        signature = ((b, c, k1 + t, site.length, w), buf.dtype, site.placements,
-                     id(site.mesh), site.axis)
-        move, _ = prepare_halo(rows, plan.left, plan.right, 3, (site.mesh, site.axis),
-                               pad="zeros", global_length=site.length,
-                               reuse=(self.agreed, "window", signature))
-        if move is not None:
-            move.fill(buf, rows, move.start(rows))
         # the class's own forward (CogVideoXSafeConv3d's chunking) with its H padding
         # dropped while the halo is installed
         y = type(m.conv).forward(m.conv, buf)
         return rewrap(y, site, 3, plan.out_length), cache
-
-    def _in_window(self, inputs: torch.Tensor, conv_cache: torch.Tensor | None) -> bool:
-        """Whether the window is built here: inference on real ranks, H the only sharded
-        dim, every rank holding rows whose window is its rows and their halo (the same
-        answer on every rank: global shapes and modes only)."""
-        if (torch.is_grad_enabled() or type(inputs) is not DTensor
-                or self.module.time_kernel_size < 2
-                or (conv_cache is not None and type(conv_cache) is not DTensor)
-                or not is_eager(inputs.to_local())):
-            return False
-        site = dtensor_site(inputs, 3, several=True)
-        if site.others or (conv_cache is not None and conv_cache.placements != inputs.placements):
-            return False
-        world = site.mesh.size(site.axis)
-        plan = plan_windows(self.module.conv.forward.annotation.stencil, site.length, world)
-        sizes = shard_sizes(site.length, world)
-        return min(sizes) > 0 and all(
-            (plan.win_start[r], plan.win_len[r], plan.win_zeros[r])
-            == (0, plan.left + sizes[r] + plan.right, 0) for r in range(world))
 
 
 def _cog_rows_resample(module: nn.Module) -> ParallelStyle:

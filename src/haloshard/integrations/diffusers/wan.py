@@ -66,6 +66,7 @@ from haloshard._site import Site, dtensor_site, rewrap, site_of
 from haloshard._specs import ConvStencil, WindowPlan
 from haloshard._styles import HaloParallel
 from haloshard.integrations.diffusers._base import Rule, passing
+from haloshard.integrations.diffusers._rows import rows_site, rows_window
 from haloshard.integrations.diffusers.stencils import RepeatConvStencil
 
 
@@ -290,8 +291,30 @@ class _CachedRowsForward(HaloForward):
     def sharded(self, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> Any:
         # the module reads its cache only where it pads T (`_padding[4]`, its own rule)
         if cache_x is None or self.module._padding[4] == 0:
-            return super().sharded(x)
-        return super().sharded(x, cache_x)
+            cache_x = None
+        site = rows_site(x, (cache_x,), self.annotation.stencil)
+        if site is not None and (cache_x is None
+                                 or cache_x.shape[2] <= self.module._padding[4]):
+            return self.in_one_window(site, cache_x)
+        return super().sharded(x) if cache_x is None else super().sharded(x, cache_x)
+
+    def in_one_window(self, site: Site, cache_x: torch.Tensor | None) -> Any:
+        """Inference on real ranks: the module's zero frames before T, its cached frames
+        and its input written into one window of rows (W padded in it too), the conv run
+        on it; the module's `torch.cat`, its `F.pad` and the exchanged windows were three
+        buffers of the chunk's size."""
+        m = self.module
+        w_left, w_right, _, _, t_left, _ = m._padding
+        frames: list[Any] = [site.local]
+        if cache_x is not None:
+            frames.insert(0, cache_x.to_local())
+            t_left -= cache_x.shape[2]
+        buf, _, plan = rows_window(site, self.annotation.stencil, [t_left, *frames],
+                                   self.agreed, w_pad=(w_left, w_right))
+        del frames
+        with _FastConv3d():  # the module's conv after its `F.pad`: no padding of its own
+            y = nn.Conv3d.forward(m, buf)
+        return rewrap(y, site, 3, plan.out_length)
 
     def exchange_first(self, site: Site, plan: WindowPlan, reuse: Reuse, *args: Any,
                        **kwargs: Any) -> Any:
