@@ -125,7 +125,13 @@ def _profiled_peak(prof: Any) -> tuple[int, str, list[str]]:
     """The running sum of the allocations (positive) and frees (negative) the profiler
     recorded, in time order: its maximum (benchmarks/matrix.py's counter), the scopes
     around the allocation that reached it, and the three largest buffers live then (MiB,
-    where each was allocated)."""
+    where each was allocated).
+
+    The profiler records the frees of the threads it profiles only: a buffer whose last
+    reference a collective's worker thread drops (gloo's, after a halo move) is freed
+    unseen, and the plain sum would keep counting it. An allocation at the address of a
+    buffer still counted live proves that buffer freed (the allocator hands out no live
+    address): it is uncounted there, at the latest."""
     from torch._C._profiler import _EventType
 
     pending, events = list(prof.profiler.kineto_results.experimental_event_tree()), []
@@ -136,8 +142,14 @@ def _profiled_peak(prof: Any) -> tuple[int, str, list[str]]:
             events.append((node.start_time_ns, node.extra_fields.alloc_size, node))
     events.sort(key=lambda e: e[0])
     live = peak = top = 0
-    for i, (_, size, _) in enumerate(events):
-        live += size
+    counted: dict[int, int] = {}  # address -> bytes of a buffer allocated here, live
+    for i, (_, size, node) in enumerate(events):
+        ptr = node.extra_fields.ptr
+        if size > 0:
+            live += size - counted.get(ptr, 0)  # a reused address: its free went unseen
+            counted[ptr] = size
+        else:
+            live -= counted.pop(ptr, -size)  # a buffer from before the block: its bytes
         if live > peak:
             peak, top = live, i
     held: dict[int, tuple[int, Any]] = {}

@@ -107,6 +107,33 @@ def test_upstream_is_a_shard_of_one_tensor(coords: list[tuple[int, int, int]]) -
     assert torch.equal(vae._upstream(torch.empty(mine.shape), shape, coords), mine)
 
 
+def test_peak_uncounts_a_reused_address() -> None:
+    """The profiler misses frees made on other threads (gloo's worker dropping a halo
+    move's buffers): an allocation at an address still counted live uncounts the buffer
+    that was there, so the peak is one buffer, not two; a buffer allocated before the
+    block and freed in it lowers the count by its size."""
+    from types import SimpleNamespace
+
+    from torch._C._profiler import _EventType
+
+    def alloc(t: int, size: int, ptr: int) -> Any:
+        return SimpleNamespace(tag=_EventType.Allocation, start_time_ns=t, children=[],
+                               extra_fields=SimpleNamespace(alloc_size=size, ptr=ptr),
+                               parent=None, name="[memory]")
+
+    def peak(*events: Any) -> int:
+        results = SimpleNamespace(experimental_event_tree=lambda: list(events))
+        prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=results))
+        return vae._profiled_peak(prof)[0]
+
+    # 100 bytes at address 1, freed unseen, then 100 bytes at address 1 again
+    assert peak(alloc(1, 100, 1), alloc(2, 100, 1)) == 100
+    assert peak(alloc(1, 100, 1), alloc(2, 100, 2)) == 200  # two live buffers
+    # a buffer from before the block freed (50), then 120 allocated: 70 above the start
+    assert peak(alloc(1, -50, 9), alloc(2, 120, 3)) == 70
+    assert peak(alloc(1, 100, 1), alloc(2, -100, 1), alloc(3, 40, 1)) == 100
+
+
 def counted(size: int) -> dict[str, float]:
     """On each rank: bytes_sent of one all-to-all of `size` float32 rows per peer, and
     peak_bytes of one allocation of 1 MiB."""
