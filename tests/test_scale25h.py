@@ -798,3 +798,21 @@ def test_wan_rows_causal_conv_holds_one_window(gloo: Any) -> None:
         moved = 2 * (1 if rank in (0, 2) else 2) * row_bytes
         assert row["live"] <= window + moved + 2**14, (rank, row["live"] / window)
         assert all(d <= 1e-5 for d in row["diffs"]), (rank, row)
+
+
+@pytest.mark.simulated
+def test_cog_rows_causal_conv_refuses_other_padding() -> None:
+    """The window built in one buffer pads H with zeros: a CogVideoX causal conv whose
+    conv pads otherwise (padding_mode "reflect") is refused when the style is applied,
+    naming the module, rather than run with zero halos."""
+    from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXCausalConv3d
+
+    from haloshard import HaloError
+    from haloshard.integrations.diffusers.cogvideox import CogRowsCausalParallel
+
+    with single_device():
+        module = CogVideoXCausalConv3d(4, 4, 3)
+    module.conv.padding_mode = "reflect"
+    with simulated_mesh(2) as mesh, pytest.raises(HaloError, match=r"CogVideoXCausalConv3d"
+                                                                   r".*\(reflect\)"):
+        parallelize_module(module, mesh, CogRowsCausalParallel(dim=3))

@@ -291,7 +291,7 @@ class CogRowsCausalParallel(DimStyle):
     Raises:
         HaloError: in `_apply` for another class, a dim other than 3, a replicate-mode
             conv, or a conv that pads H otherwise than by `(k_H - 1) // 2` zeros each
-            side with stride and dilation 1 along H.
+            side (padding_mode "zeros") with stride and dilation 1 along H.
     """
 
     @names_errors
@@ -300,12 +300,14 @@ class CogRowsCausalParallel(DimStyle):
         conv = module.conv
         k = conv.kernel_size[1]
         if self.dim != 3 or module.pad_mode == "replicate" or k % 2 == 0 or (
-                conv.padding[1], conv.stride[1], conv.dilation[1]) != ((k - 1) // 2, 1, 1):
+                conv.padding[1], conv.stride[1], conv.dilation[1]) != ((k - 1) // 2, 1, 1) \
+                or conv.padding_mode != "zeros":
             raise HaloError(f"CogRowsCausalParallel shards H (dim 3) of a constant-mode "
-                            f"CogVideoXCausalConv3d whose conv pads H by (k - 1) // 2 with "
-                            f"stride and dilation 1, got dim={self.dim}, pad_mode "
-                            f"{module.pad_mode!r}, kernel {k}, padding {conv.padding[1]}, "
-                            f"stride {conv.stride[1]}, dilation {conv.dilation[1]}")
+                            f"CogVideoXCausalConv3d whose conv pads H by (k - 1) // 2 zeros "
+                            f"with stride and dilation 1, got dim={self.dim}, pad_mode "
+                            f"{module.pad_mode!r}, kernel {k}, padding {conv.padding[1]} "
+                            f"({conv.padding_mode}), stride {conv.stride[1]}, dilation "
+                            f"{conv.dilation[1]}")
         parallelize_module(conv, device_mesh, HaloParallel(dim=3))
         install(module, _RowsCausalForward(module, 3, device_mesh))
         return module
