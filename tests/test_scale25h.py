@@ -84,7 +84,7 @@ def _allocations(fn: Callable[[], Any]) -> tuple[list[tuple[int, int]], list[int
         pending.extend(node.children)
         if node.tag == _EventType.Allocation:
             sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
-        elif node.name == "aten::convolution":
+        elif node.name in ("aten::convolution", "aten::mkldnn_convolution"):
             convs.append(node.start_time_ns)
     return sorted(sizes), convs, out
 
@@ -750,7 +750,7 @@ def test_cog_rows_causal_conv_holds_one_window(gloo2: Any) -> None:
 
 def _wan_conv_window() -> dict[str, Any]:
     """On this gloo rank (3 ranks, 36 rows as 12, 12, 12): Wan's causal conv (3x3x3, zeros
-    around; 64 channels, so that torch runs it on oneDNN, not through `_FastConv3d`'s taps,
+    around; 64 channels, so that torch runs it on oneDNN, not through `FastConv3d`'s taps,
     which copy their input frames-first) with H sharded, under no_grad, called as its
     loops call it: without a cache, then with the last 2 frames of the previous chunk.
     The bytes live when the second conv starts, and each output's difference to one

@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from haloshard import HaloError, reduce_grads
 from haloshard.integrations.diffusers import plan_for
@@ -175,13 +176,13 @@ def test_conv3d_time_taps(stride: tuple[int, ...], dilation: tuple[int, ...]) ->
     `B * C * T * H <= 20480`: im2col columns 27 times the input) runs as one conv2d per
     tap along T: the same values and gradients (float64, summed in another order: 1e-12
     on O(1) values), and torch's choice is asked of the window's own sizes."""
-    from haloshard.integrations.diffusers.wan import _by_time_taps, _conv3d_time_taps
+    from haloshard.integrations.diffusers._rows import conv3d_time_taps, slow_conv3d
 
     x = seeded_randn((1, 8, 7, 6, 5), 1).requires_grad_()
     w = seeded_randn((4, 8, 3, 3, 3), 2).requires_grad_()
     b = seeded_randn((4,), 3).requires_grad_()
     args = (stride, (0, 0, 0), dilation, 1)
-    y = _conv3d_time_taps(x, w, b, *args)
+    y = conv3d_time_taps(x, w, b, *args)
     y_ref = torch.nn.functional.conv3d(x, w, b, *args)
     torch.testing.assert_close(y, y_ref, atol=1e-12, rtol=1e-12)
     gy = seeded_randn(tuple(y.shape), 4)
@@ -189,9 +190,50 @@ def test_conv3d_time_taps(stride: tuple[int, ...], dilation: tuple[int, ...]) ->
     for got, want in zip(grads, torch.autograd.grad(y_ref, (x, w, b), gy), strict=True):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     small = torch.zeros(1, 96, 6, 34, 66)  # 96 * 6 * 34 = 19584: torch's slow path
-    assert _by_time_taps(small, torch.zeros(96, 96, 3, 3, 3), None, *args)
+    assert slow_conv3d(small, torch.zeros(96, 96, 3, 3, 3), None, *args)
     large = torch.zeros(1, 96, 6, 66, 66)  # one device's rows: mkldnn
-    assert not _by_time_taps(large, torch.zeros(96, 96, 3, 3, 3), None, *args)
+    assert not slow_conv3d(large, torch.zeros(96, 96, 3, 3, 3), None, *args)
+
+
+class _Kernels(TorchDispatchMode):
+    """The names of the conv kernels aten runs under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if "conv" in func.__name__:
+            self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("padding", [(0, 0, 0), (0, 0, 1)])
+def test_fast_conv3d_calls_onednn_in_inference(padding: tuple[int, ...]) -> None:
+    """A window's conv3d that torch would send to its slow path (CPU, batch 1, `C * T * H
+    <= 20480`) runs on oneDNN's kernel directly under `FastConv3d` in inference, float32,
+    with or without padding of its own (CogVideoX's conv pads W): the same values as
+    torch's own call up to float32 rounding (sums of 27 * 96 products of O(1) values:
+    1e-4 absolute); with a gradient asked, or in float64 (which oneDNN does not take), a
+    conv with no padding runs tap by tap, and one with padding as torch runs it."""
+    from haloshard.integrations.diffusers._rows import FastConv3d
+
+    x = seeded_randn((1, 96, 4, 10, 18), 1, torch.float32)  # 96 * 4 * 10: the slow path
+    conv = nn.Conv3d(96, 32, 3, padding=padding)
+    with torch.no_grad():
+        want = conv(x)
+        with _Kernels() as kernels, FastConv3d():
+            got = conv(x)
+    assert kernels.names == ["mkldnn_convolution"], kernels.names
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    taps = ["convolution"] * 3 if padding == (0, 0, 0) else ["convolution"]
+    for dtype in (torch.float32, torch.float64):
+        grad = dtype == torch.float32
+        layer, x_t = copy.deepcopy(conv).to(dtype), x.to(dtype)
+        with torch.set_grad_enabled(grad), _Kernels() as kernels, FastConv3d():
+            layer(x_t)
+        assert [n for n in kernels.names if n == "convolution"] == taps, (dtype, kernels.names)
 
 
 # ---------------------------------------------------------------- refusals, the cache

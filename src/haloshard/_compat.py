@@ -204,6 +204,9 @@ tree_unflatten = _pytree.tree_unflatten
 # kernels of its slow conv3d paths on CPU (`_conv` runs such a window's conv as conv2ds).
 select_conv_backend = torch._C._select_conv_backend
 SLOW_CONV3D = frozenset({torch._C._ConvBackend.Slow3d, torch._C._ConvBackend.SlowDilated3d})
+# oneDNN's conv kernel called directly (`_choice.onednn_direct`): what `aten.convolution`
+# dispatches to on CPU where its size rule does not send the conv to the slow path.
+onednn_convolution = torch.ops.aten.mkldnn_convolution
 
 # The autograd node whose backward is running (None outside backward): `_dtensor_ops` knows
 # by it that a cat is torch's own in a split's backward.

@@ -54,7 +54,7 @@ from haloshard.integrations.diffusers._base import (
     rows_causal_conv,
     rows_pointwise,
 )
-from haloshard.integrations.diffusers._rows import rows_site, rows_window
+from haloshard.integrations.diffusers._rows import FastConv3d, rows_site, rows_window
 from haloshard.integrations.diffusers.stencils import RepeatConvStencil
 
 
@@ -334,7 +334,8 @@ class _RowsCausalForward(ShardedForward):
         cache = rewrap(rows[:, :, -k1:].clone(), site, 3, site.length)
         # the class's own forward (CogVideoXSafeConv3d's chunking) with its H padding
         # dropped while the halo is installed
-        y = type(m.conv).forward(m.conv, buf)
+        with FastConv3d():
+            y = type(m.conv).forward(m.conv, buf)
         return rewrap(y, site, 3, plan.out_length), cache
 
 

@@ -47,11 +47,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.overrides import TorchFunctionMode
 
 from haloshard._annotation import resolve
 from haloshard._attention import gather_many, sdpa
-from haloshard._choice import slow_window
 from haloshard._compat import enabled_local_tensor_mode
 from haloshard._errors import HaloError
 from haloshard._exchange import Reuse
@@ -66,7 +64,7 @@ from haloshard._site import Site, dtensor_site, rewrap, site_of
 from haloshard._specs import ConvStencil, WindowPlan
 from haloshard._styles import HaloParallel
 from haloshard.integrations.diffusers._base import Rule, passing
-from haloshard.integrations.diffusers._rows import rows_site, rows_window
+from haloshard.integrations.diffusers._rows import FastConv3d, rows_site, rows_window
 from haloshard.integrations.diffusers.stencils import RepeatConvStencil
 
 
@@ -236,52 +234,6 @@ def wan_decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- H sharded: the model's loops
-class _FastConv3d(TorchFunctionMode):
-    """Inside a Wan conv on its window of rows: a `conv3d` that torch would run on its slow
-    path (CPU, batch 1: it takes mkldnn only when `B * C * T * H > 20480`, so fewer rows
-    per rank send more layers there than on one device) runs as one conv2d per tap along
-    T instead, the frames folded into the batch. The slow path's im2col columns are 27
-    times its input for a 3x3x3 kernel (measured: 1.5 times one device's peak per rank on
-    2 ranks, Wan's default decoder at 64x64); the taps hold one frames-first copy of the
-    input. The same sums in another order (float rounding only)."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = dict(kwargs or {})
-        if func is F.conv3d and not kwargs and len(args) == 7 and _by_time_taps(*args):
-            return _conv3d_time_taps(*args)
-        return func(*args, **kwargs)
-
-
-def _by_time_taps(x: Any, weight: Any, bias: Any, stride: Any, padding: Any,
-                  dilation: Any, groups: int) -> bool:
-    """Whether torch would run this conv3d (no padding of its own) on its slow path."""
-    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
-            and not isinstance(x, DTensor) and x.ndim == 5 and x.device.type == "cpu"
-            and tuple(padding) == (0, 0, 0) and x.numel() > 0):
-        return False
-    return slow_window(x, list(x.shape), weight, list(stride), [0, 0, 0], list(dilation),
-                       groups)
-
-
-def _conv3d_time_taps(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      stride: Any, padding: Any, dilation: Any, groups: int) -> torch.Tensor:
-    """`F.conv3d(x, weight, bias, stride, 0, dilation, groups)` as the sum over taps `j`
-    along T of `conv2d(frames j*d, j*d + s, ..., weight[:, :, j])`, frames folded into the
-    batch: `(B, C, T, H, W) -> (B, O, T_out, H_out, W_out)`."""
-    k, s, d = weight.shape[2], stride[0], dilation[0]
-    count = (x.shape[2] - d * (k - 1) - 1) // s + 1
-    frames = x.permute(2, 0, 1, 3, 4).contiguous()  # (T, B, C, H, W): a tap's frames
-    y: torch.Tensor | None = None
-    for j in range(k):
-        picked = frames.narrow(0, j * d, s * (count - 1) + 1)[::s]
-        out = F.conv2d(picked.flatten(0, 1), weight[:, :, j], bias if j == 0 else None,
-                       tuple(stride[1:]), 0, tuple(dilation[1:]), groups)
-        y = out if y is None else y.add_(out)
-    assert y is not None
-    return y.unflatten(0, (count, x.shape[0])).permute(1, 2, 0, 3, 4)
-
-
 class _CachedRowsForward(HaloForward):
     """`WanCausalConv3d.forward(x, cache_x)` with H sharded: the cached frames (this rank's
     rows) take the same H halo as x, and the module's own forward runs on both windows (its
@@ -312,7 +264,7 @@ class _CachedRowsForward(HaloForward):
         buf, _, plan = rows_window(site, self.annotation.stencil, [t_left, *frames],
                                    self.agreed, w_pad=(w_left, w_right))
         del frames
-        with _FastConv3d():  # the module's conv after its `F.pad`: no padding of its own
+        with FastConv3d():  # the module's conv after its `F.pad`: no padding of its own
             y = nn.Conv3d.forward(m, buf)
         return rewrap(y, site, 3, plan.out_length)
 
@@ -327,7 +279,7 @@ class _CachedRowsForward(HaloForward):
         return super().exchange_first(site, plan, reuse, window)
 
     def original(self, *args: Any, **kwargs: Any) -> Any:
-        with _FastConv3d():
+        with FastConv3d():
             return super().original(*args, **kwargs)
 
 
