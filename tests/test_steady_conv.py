@@ -134,6 +134,60 @@ def test_steady_calls_exact(gloo: Callable[[int], Any], world: int) -> None:
         assert got == {name: [False, False, True, True, True] for name in _layers()}, got
 
 
+def inference_calls() -> dict[str, Any]:
+    """Inside a worker: each layer, and a float32 conv3d whose window torch would send to
+    its slow path, over four calls under no_grad (parameters requiring grad, as a model in
+    eval): which ran steady, and which conv kernels ran (the float32 one on oneDNN's kernel
+    directly, `_choice.onednn_direct`; float64 tap by tap, as with gradients)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            if "conv" in func.__name__:
+                self.names.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    layers = {**_layers(), "float32": (nn.Conv3d(8, 6, 3, padding=1), HaloParallel(),
+                                        (1, 8, LENGTH, 6, 6))}
+    out: dict[str, Any] = {}
+    for i, (name, (layer, style, shape)) in enumerate(layers.items()):
+        dtype = torch.float32 if name == "float32" else torch.float64
+        layer = seeded_module(layer, 10 * i).to(dtype)
+        full = seeded_randn(shape, 10 * i + 5, dtype)
+        with single_device(), torch.no_grad():
+            y = unhooked(layer)(full)
+        parallelize_module(layer, worker_mesh(dist.get_world_size()), style)
+        steady, tol = [], TOL if dtype == torch.float64 else {"atol": 1e-5, "rtol": 1e-5}
+        with Kernels() as kernels:
+            for call in range(4):
+                got = _call(layer, full, full, grad=False)
+                torch.testing.assert_close(got["y"], shard(y, 2, dist.get_world_size(),
+                                                           dist.get_rank()),
+                                           **tol, msg=f"{name}, call {call}")
+                steady.append(got["steady"])
+        out[name] = (steady, sorted(kernels.names))
+    return out
+
+
+@pytest.mark.gloo
+def test_inference_calls_exact(gloo: Callable[[int], Any]) -> None:
+    """Under no_grad a halo conv runs its formulation's steps with no autograd node, steady
+    from its third call, against one device (float64: 1e-12; float32: sums of 27 * 8
+    products of O(1) values, 1e-5); a float32 conv3d whose window torch would run on its
+    slow path calls oneDNN's kernel instead (no `aten.convolution`: neither the slow path nor
+    the taps run), the float64 one its conv2d taps."""
+    for got in gloo(2).run(inference_calls, timeout=180):
+        for name, (steady, _) in got.items():
+            assert steady == [False, False, True, True], (name, steady)
+        assert got["float32"][1] == ["mkldnn_convolution"], got["float32"]
+        assert got["taps"][1] == ["convolution"], got["taps"]  # its conv2d taps
+
+
 def leaving_steady() -> dict[str, Any]:
     """Inside a worker: a layer in its steady state, then calls that must leave it."""
     layer = seeded_module(nn.Conv2d(3, 4, 3, padding=1), 1)

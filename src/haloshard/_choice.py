@@ -260,8 +260,20 @@ def onednn_direct(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     slow path whatever its width, where oneDNN took 0.3 to 1.1 of its time and 0.7 to 0.9
     of the conv2d taps' (CPU, 1 thread, Wan's decoder convs on 8 to 64 rows a rank); the
     same sums in another order (float rounding only)."""
+    return not grad_asked(x, weight, bias) and onednn_kernel(x, weight, bias)
+
+
+def onednn_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether oneDNN's conv kernel can be called on these tensors: plain float32 CPU
+    tensors, oneDNN built and enabled."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
-    return (not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-            and all(type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu"
-                    and t.dtype == torch.float32 for t in tensors)
+    return (all(type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu"
+                and t.dtype == torch.float32 for t in tensors)
             and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
+
+
+def grad_asked(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call on these tensors builds a graph: grad mode on and one of them
+    requiring grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in tensors)

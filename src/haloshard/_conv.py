@@ -24,13 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from einops import rearrange
 
-from haloshard._choice import CORRECTED, SPLIT, by_taps, formulation
+from haloshard._choice import CORRECTED, SPLIT, by_taps, formulation, grad_asked, onednn_kernel
 from haloshard._comm import GroupLike, Pending
+from haloshard._compat import onednn_convolution
 from haloshard._errors import HaloError
 from haloshard._exchange import (
     HaloMove,
@@ -364,7 +366,14 @@ class _HaloConv(_Formulated):
             # An empty chunk would ask the conv for zero outputs, which it refuses: one zero
             # slice more gives it one output, dropped again (and its gradient is zero).
             ctx.taps = by_taps(x, weight, args)
-            if ctx.taps:
+            # in inference, oneDNN's kernel on the window where torch would take its slow path
+            direct = (ctx.taps and not any(ctx.needs_input_grad)
+                      and onednn_kernel(x, weight, bias))
+            ctx.taps = ctx.taps and not direct
+            if direct:
+                y = onednn_convolution(move.assemble(x, moved), weight, bias, args.padding,
+                                       args.stride, args.dilation, args.groups)
+            elif ctx.taps:
                 frames, buf = _frames_first(x, args)
                 move.assemble(x, moved, out=buf)
                 y = _taps_conv(frames, weight, bias, args, length)
@@ -736,6 +745,15 @@ class ConvCall:
                                            bias, a.stride, a.padding, a.dilation, False,
                                            [0] * len(a.stride), a.groups)
             return y.narrow(dim, 0, x.shape[dim])
+        if not grad_asked(x, weight, bias):  # inference: the steps alone, no graph node
+            return self.function.run(no_grad_context(), x, weight, bias, self.move,
+                                     self.args)[0]
         return self.function.apply(x, weight, bias, self.move,  # type: ignore[no-any-return]
                                    self.args)
+
+
+def no_grad_context() -> SimpleNamespace:
+    """The context a formulation's `run` gets outside autograd (inference): no input asks
+    for a gradient, and what it records for a backward is dropped with it."""
+    return SimpleNamespace(needs_input_grad=(False,) * 5)
 

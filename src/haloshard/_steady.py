@@ -40,8 +40,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from haloshard import _comm
 from haloshard._agree import Agreed, Agreements
+from haloshard._choice import grad_asked
 from haloshard._compat import DTensorSpec, TensorMeta, dtensor_of, held
-from haloshard._conv import ConvCall
+from haloshard._conv import ConvCall, no_grad_context
 from haloshard._redistribute import layout_strides, local_grad, unwrap
 
 
@@ -112,7 +113,13 @@ def steady_of(x: Any, out: Any, module: nn.Module, call: ConvCall, store: Agreem
 def sharded_conv(x: DTensor, weight: torch.Tensor, bias: torch.Tensor | None, call: ConvCall,
                  output_spec: Callable[[torch.Tensor], DTensorSpec]) -> DTensor:
     """The agreed halo conv `call` (one that moves a halo) on `x`'s local chunk as one
-    autograd node: this rank's output chunk, a DTensor on `output_spec(chunk)`."""
+    autograd node (in inference, its steps alone): this rank's output chunk, a DTensor on
+    `output_spec(chunk)`."""
+    if not grad_asked(x, weight, bias):
+        local = layout_strides(held(x)[0])
+        assert call.move is not None
+        y, _ = call.function.run(no_grad_context(), local, weight, bias, call.move, call.args)
+        return dtensor_of(y, output_spec(y))
     return _ShardedConv.apply(x, weight, bias, call,  # type: ignore[no-any-return]
                               output_spec)
 
