@@ -64,6 +64,7 @@ def _check(records: list[dict[str, Any]], modes: list[str], models: list[str]) -
             continue
         for row in record["ranks"]:
             assert row["act"] > 0 and row["compute"] > 0 and row["wall"] > 0, row
+            assert row["reps"] == 2, row  # `--repeat 2`: the fastest of two timed runs
             assert row["rel"] <= REL_TOL[record["mode"]], record
             # one device moves nothing; two ranks exchange halos
             assert (row["sent"] > 0) == (record["P"] > 1), record
@@ -80,7 +81,7 @@ def test_every_model_every_mode(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     models, modes = sorted(vae.vae_models.MODELS), list(vae.MODES)
     out = tmp_path / "results.json"
     records = vae.main([*TINY, "--ranks", "2", "--dims", "2", "--dims", "3", "--approx",
-                        "--floor", "--out", str(out)])
+                        "--floor", "--repeat", "2", "--out", str(out)])
     _check(records, modes, models)
     hunyuan = next(r for r in records
                    if r["model"] == "hunyuan" and r["mode"] == "decode" and r["P"] == 1)
@@ -94,6 +95,16 @@ def test_every_model_every_mode(capsys: pytest.CaptureFixture[str], tmp_path: Pa
                    "decode, diffusers' approximations", "| ltx | - | refused: "):
         assert header in printed
     assert json.loads(out.read_text())["records"] == json.loads(json.dumps(records))
+
+
+def test_repeats_keep_the_fastest_time_and_the_highest_peak() -> None:
+    """`--repeat`: compute and wall from the fastest run, the peak (and where) from the
+    highest."""
+    a = {"compute": 2.0, "wall": 3.0, "act": 10, "where": "a", "largest": ["a"], "sent": 5}
+    b = {"compute": 1.5, "wall": 3.5, "act": 12, "where": "b", "largest": ["b"], "sent": 5}
+    assert vae._fastest(a, b) == {"compute": 1.5, "wall": 3.0, "act": 12, "where": "b",
+                                  "largest": ["b"], "sent": 5, "reps": 2}
+    assert vae._fastest(b, a)["act"] == 12 and vae._fastest(b, a)["where"] == "b"
 
 
 @pytest.mark.parametrize("coords", [[(2, 2, 1)], [(3, 3, 2)], [(2, 2, 0), (3, 2, 1)]])
