@@ -46,11 +46,14 @@ Columns, per shape (time over the floor's):
 - `fixed ms`: the default's time minus the best plain exact formulation's (`exact`), in
   ms per step, paired round by round: what the library adds per step whatever the layer's
   size. The last default row (conv1d C8 T64) is tiny, its conv well under 1 ms: there this
-  column is the library's fixed cost per step (target: at most 1 ms);
+  column is the library's fixed cost per step, the user's wrapping included;
 - `wrap ms`: what the step's own DTensor wrapping costs (the user's `from_local` of the
   input and `to_local` of the output, forward and backward), measured alone around the
   floor's conv: part of `fixed ms`, paid once per model step whatever its layers, not per
-  halo layer (`fixed ms - wrap ms` is the layer's own).
+  halo layer;
+- `layer ms`: the halo layer's own fixed cost per step, `fixed ms` less `wrap ms`, paired
+  round by round (the median over rounds of `(default - exact) - (floor+wrap - floor)`):
+  on the tiny row, what one more halo layer adds to a model's step (target: at most 1 ms).
 
 The device follows the mesh: on a machine with GPUs (`--device cuda`) the same script runs on
 NCCL. Ratios, not times: absolute times on a 2-core VM vary by 3% or more between runs.
@@ -146,6 +149,7 @@ def matrix(full: bool) -> list[Case]:
         Case("conv1d", 512, 8192, (), 5, False), Case("dwconv1d", 1024, 8192, (), 4, True),
         Case("conv3d", 64, 16, (48, 48), 3, False, torch.bfloat16),
         # tiny: the conv itself takes well under 1 ms, so `fixed ms` is the fixed cost
+        # (`layer ms` the halo layer's own)
         Case("conv1d", 8, 64, (), 3, False),
     ]
     if full:
@@ -398,6 +402,15 @@ def _fixed_ms(ranks: list[dict[str, Any]], name: str, plain: str) -> float:
         a - b for a, b in zip(_slowest(ranks, name), _slowest(ranks, plain), strict=True))
 
 
+def _layer_ms(ranks: list[dict[str, Any]], plain: str) -> float:
+    """The halo layer's own fixed cost per step, in ms: the default's time over `plain`'s
+    less the step's DTensor wrapping over the floor, in the same round, the median over
+    rounds (the wrapping is the user's, once per model step, not per halo layer)."""
+    per_round = zip(*(_slowest(ranks, n) for n in ("default", plain, "floor+wrap", "floor")),
+                    strict=True)
+    return statistics.median((d - p) - (w - f) for d, p, w, f in per_round)
+
+
 def _ratios(ranks: list[dict[str, Any]], stat: str) -> Callable[[str, str], float]:
     """`ratio(a, b)`: `a`'s time over `b`'s, a round's time being its slowest rank's. With
     `stat="min"`, the fastest round of each (as `timeit` does: on a shared machine another
@@ -432,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'chosen/best':>11} {'in limit':>8} {'dflt/chsn':>9} {'taps':>6} {'fl+mv':>6} "
           f"{'exact':>6} {'dflt/exact':>10} {'sent/halo':>10} {'meta':>5} {'peak/floor':>11} "
           f"{'pk ovl':>7} {'pk xf':>6} {'pk exact':>8} {'limit':>6} {'fixed ms':>8} "
-          f"{'wrap ms':>7}")
+          f"{'wrap ms':>7} {'layer ms':>8}")
     worst = worst_best = worst_fit = worst_exact = ("", 0.0)
     with GlooWorld(args.ranks, timeout=3600) as gloo:
         for case in cases:
@@ -477,7 +490,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{max(r['meta'] for r in ranks):>5} {peak:>11.3f} {peak_ovl:>7.3f} "
                   f"{peak_xf:>6.3f} {peak_exact:>8.3f} {limit:>6.3f} "
                   f"{_fixed_ms(ranks, 'default', best_raw):>8.3f} "
-                  f"{_fixed_ms(ranks, 'floor+wrap', 'floor'):>7.3f}")
+                  f"{_fixed_ms(ranks, 'floor+wrap', 'floor'):>7.3f} "
+                  f"{_layer_ms(ranks, best_raw):>8.3f}")
     print(f"worst default / floor: {worst[1]:.3f} ({worst[0]}); worst chosen / best: "
           f"{worst_best[1]:.3f} ({worst_best[0]}); worst chosen / best within the memory "
           f"limit: {worst_fit[1]:.3f} ({worst_fit[0]}); worst default / best plain exact: "

@@ -452,7 +452,7 @@ def start_flagged_all_to_all(
     per_row = math.prod(layout.row)
     send = parts[0].new_empty(sum(layout.send_splits))
     _pack(parts, [send.narrow(0, at, n * per_row).view(n, *layout.row)
-                  for at, n in layout.send_rows])
+                  for at, n in layout.send_rows if n])
     send.index_fill_(0, layout.index("send", send.device), flag)
     out = send.new_empty(sum(layout.recv_splits))
     work = dist.all_to_all_single(out, send, layout.recv_splits, layout.send_splits,

@@ -497,7 +497,8 @@ def _rebuilt(x: torch.Tensor, halos: torch.Tensor, args: _ConvArgs, shape: list[
     buf = empty_like_layout(x, shape)
     _fill_window(buf, x, halos, args)
     spare = shape[args.dim] - (args.left + x.shape[args.dim] + args.right)
-    buf.narrow(args.dim, args.left + x.shape[args.dim] + args.right, spare).zero_()
+    if not isinstance(spare, int) or spare:  # eager, most calls: no spare slice to zero
+        buf.narrow(args.dim, args.left + x.shape[args.dim] + args.right, spare).zero_()
     return buf
 
 
