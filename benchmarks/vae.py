@@ -518,6 +518,17 @@ def _fastest(row: dict[str, Any], again: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _timed(run: _Run, repeat: int) -> tuple[Any, dict[str, Any]]:
+    """`run.run()` measured `repeat` times: the last result, and the fastest time with the
+    highest peak (`_fastest`)."""
+    out, row = _measure(run.run, run.device, run.vae)
+    for _ in range(repeat - 1):
+        run.zero_grads()
+        out, again = _measure(run.run, run.device, run.vae)
+        row = _fastest(row, again)
+    return out, row
+
+
 def rank_run(job: dict[str, Any]) -> dict[str, Any]:
     """One model in one mode on this rank: its measurements and its difference to the
     one-device result (P = 1: writes that result to `job["ref_dir"]`)."""
@@ -526,11 +537,7 @@ def rank_run(job: dict[str, Any]) -> dict[str, Any]:
     for _ in range(job["warmup"] if dist.get_world_size() > 1 else job["ref_warmup"]):
         run.run()
         run.zero_grads()
-    (z, y), row = _measure(run.run, run.device, run.vae)
-    for _ in range(job.get("repeat", 1) - 1):  # the fastest of the repeats (as `timeit`)
-        run.zero_grads()
-        (z, y), again = _measure(run.run, run.device, run.vae)
-        row = _fastest(row, again)
+    (z, y), row = _timed(run, job.get("repeat", 1))
     params = sum(_nbytes(p) for p in run.vae.parameters())
     row.update(params=params * (2 if run.mode == "train" else 1),
                latent_frames=z.shape[2], latent_rows=z.shape[3], frames=run.leaf.shape[2])
