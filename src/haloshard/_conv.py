@@ -746,15 +746,16 @@ class ConvCall:
                                            bias, a.stride, a.padding, a.dilation, False,
                                            [0] * len(a.stride), a.groups)
             return y.narrow(dim, 0, x.shape[dim])
-        if not grad_asked(x, weight, bias):  # inference: the steps alone, no graph node
-            return self.function.run(no_grad_context(), x, weight, bias, self.move,
-                                     self.args)[0]
+        if not grad_asked(x, weight, bias):
+            return self.infer(x, weight, bias)
         return self.function.apply(x, weight, bias, self.move,  # type: ignore[no-any-return]
                                    self.args)
 
-
-def no_grad_context() -> SimpleNamespace:
-    """The context a formulation's `run` gets outside autograd (inference): no input asks
-    for a gradient, and what it records for a backward is dropped with it."""
-    return SimpleNamespace(needs_input_grad=(False,) * 5)
+    def infer(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+        """This rank's chunk of the global conv in inference (no gradient asked, a halo to
+        move): the formulation's steps alone, no graph node, nothing kept for a backward."""
+        assert self.move is not None
+        context = SimpleNamespace(needs_input_grad=(False,) * 5)
+        return self.function.run(context, x, weight, bias, self.move, self.args)[0]
 

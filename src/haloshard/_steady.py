@@ -42,7 +42,7 @@ from haloshard import _comm
 from haloshard._agree import Agreed, Agreements
 from haloshard._choice import grad_asked
 from haloshard._compat import DTensorSpec, TensorMeta, dtensor_of, held
-from haloshard._conv import ConvCall, no_grad_context
+from haloshard._conv import ConvCall
 from haloshard._redistribute import layout_strides, local_grad, unwrap
 
 
@@ -116,9 +116,7 @@ def sharded_conv(x: DTensor, weight: torch.Tensor, bias: torch.Tensor | None, ca
     autograd node (in inference, its steps alone): this rank's output chunk, a DTensor on
     `output_spec(chunk)`."""
     if not grad_asked(x, weight, bias):
-        local = layout_strides(held(x)[0])
-        assert call.move is not None
-        y, _ = call.function.run(no_grad_context(), local, weight, bias, call.move, call.args)
+        y = call.infer(layout_strides(held(x)[0]), weight, bias)
         return dtensor_of(y, output_spec(y))
     return _ShardedConv.apply(x, weight, bias, call,  # type: ignore[no-any-return]
                               output_spec)
