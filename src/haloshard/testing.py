@@ -134,6 +134,19 @@ def _load(path: str, qualname: str, cache: dict[str, Any]) -> Callable[..., Any]
     return obj
 
 
+def _context() -> Any:
+    """multiprocessing's forkserver, its server having imported torch and haloshard once:
+    a world's workers fork from it instead of each importing torch afresh (spawn). Measured
+    on 2 cores: a 4-rank world starts in 0.1 s instead of 5.7 s once the server runs (the
+    first world pays the server's 2 s). The server runs nothing but imports, so no thread
+    pool, process group or device is forked. Where there is no forkserver (Windows), spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "haloshard", "haloshard.testing"])
+    return ctx
+
+
 def _worker(rank: int, world: int, store_path: str, pg_timeout: float,
             tasks: Any, results: Any) -> None:
     torch.set_num_threads(1)
@@ -155,8 +168,9 @@ class GlooWorld:
 
     `run(fn, *args)` calls `fn(*args)` on every rank (fn must be a module-level function of a
     file; it is loaded by path in the workers) and returns the per-rank results. Each
-    worker uses one thread. If any rank does not answer within `timeout` seconds, the world
-    is torn down and `TimeoutError` names the silent ranks.
+    worker uses one thread; workers fork from a server that imported torch once. If any rank
+    does not answer within `timeout` seconds, the world is torn down and `TimeoutError`
+    names the silent ranks.
 
     Example::
         >>> with GlooWorld(2) as world:
@@ -166,7 +180,7 @@ class GlooWorld:
 
     def __init__(self, world_size: int, *, timeout: float = 120.0, pg_timeout: float = 60.0):
         self.world_size, self.timeout = world_size, timeout
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         fd, self._store = tempfile.mkstemp(prefix="haloshard-gloo-")
         os.close(fd)
         os.unlink(self._store)
