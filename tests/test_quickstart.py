@@ -83,7 +83,8 @@ def test_readme_shows_the_example_as_it_is(section: str, script: str) -> None:
 
 
 @pytest.mark.parametrize(("body", "status"), [("print('ran')", 0), ("raise SystemExit(3)", 3),
-                                              ("raise ValueError('bad')", 1)])
+                                              ("raise ValueError('bad')", 1),
+                                              ("raise SystemExit('stopped')", 1)])
 def test_exit_after_keeps_the_scripts_status(tmp_path: Path, body: str, status: int) -> None:
     """`tests/exit_after.py` skips finalization only: the script's output and status (a
     failure's traceback and a failing status) come through."""
@@ -92,5 +93,6 @@ def test_exit_after_keeps_the_scripts_status(tmp_path: Path, body: str, status: 
     done = subprocess.run([sys.executable, EXIT_AFTER, str(script)], capture_output=True,
                           text=True, timeout=60, check=False)
     assert done.returncode == status, done.stdout + done.stderr
-    assert ("ValueError: bad" in done.stderr) == (status == 1)
+    assert ("ValueError: bad" in done.stderr) == ("ValueError" in body)
+    assert ("stopped" in done.stderr) == ("stopped" in body)
     assert ("ran" in done.stdout) == (status == 0)
