@@ -93,6 +93,7 @@ from benchmarks import steady_allocator, vae_models
 from haloshard import HaloError, reduce_grads, shard_sizes
 from haloshard.testing import (
     GlooWorld,
+    WorkerDied,
     counted_collectives,
     seeded_randn,
     shard,
@@ -729,7 +730,7 @@ def _frames(name: str, args: argparse.Namespace) -> int:
 def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float,
                done: Callable[[dict[str, Any]], None]) -> None:
     """Every job on one world of P ranks, each record handed to `done`; a job that fails
-    is recorded (the world is restarted if it timed out)."""
+    is recorded (the world is restarted if it timed out or a worker died)."""
     world = GlooWorld(p, timeout=timeout, pg_timeout=timeout)
     try:
         for job in jobs:
@@ -739,7 +740,7 @@ def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float,
                 record["floor"] = True
             try:
                 record["ranks"] = world.run(rank_run, job)
-            except (AssertionError, TimeoutError) as exc:
+            except (AssertionError, TimeoutError, WorkerDied) as exc:
                 record["error"] = str(exc)[-2000:]
                 if not world.alive:
                     world = GlooWorld(p, timeout=timeout, pg_timeout=timeout)

@@ -10,6 +10,10 @@ its teardown and the per-rank read-back.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,6 +36,8 @@ from haloshard import (
     reduce_grads,
 )
 from haloshard.testing import (
+    GlooWorld,
+    WorkerDied,
     assert_close_per_rank,
     per_rank,
     rank_map,
@@ -219,6 +225,28 @@ def test_simulated_equals_gloo_parallel_conv(gloo, world: int, length: int) -> N
                 scale = float(total[r].abs().max())
                 torch.testing.assert_close(got, total[r], atol=16 * world * eps * scale, rtol=0,
                                            msg=lambda m, r=r, i=i: f"param {i}, rank {r}: {m}")
+
+
+def killed_rank_one() -> None:
+    """Rank 1 dies by SIGKILL (as the OOM killer ends a process); rank 0 waits for it in a
+    barrier its group would hold for 60 s."""
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+@pytest.mark.gloo
+def test_gloo_world_reports_a_dead_worker_at_once() -> None:
+    """A worker killed during a call: `WorkerDied` names it and the signal within seconds,
+    where the world used to wait for its timeout (an hour in `benchmarks.vae`)."""
+    world = GlooWorld(2, pg_timeout=60, timeout=120)
+    start = time.monotonic()
+    with pytest.raises(WorkerDied, match=r"rank 1 \(killed by SIGKILL \(the kernel's OOM "
+                       r"killer sends it\)\) died during killed_rank_one; ranks \[1\] had not "
+                       r"answered"):
+        world.run(killed_rank_one)
+    assert time.monotonic() - start < 15
+    assert not world.alive
 
 
 @pytest.mark.simulated

@@ -690,6 +690,71 @@ def all_reduce_sum(buf: torch.Tensor, group: Group, what: str = "all-reduce") ->
     return out
 
 
+# torch's DistributedDataParallel packs gradients into buckets of this size by default
+# (`bucket_cap_mb=25`).
+BUCKET_MB = 25.0
+
+
+def all_reduce_sum_(tensors: list[torch.Tensor], group: Group, what: str, cap: int) -> None:
+    """Sum each of `tensors` (one dtype) over the group, in place (not differentiable: for
+    gradients after backward). They travel in flat buckets of at most `cap` bytes, as DDP's
+    do (a larger tensor alone, reduced in place when dense): beside the tensors this holds
+    at most two buckets, one in flight while the next is packed, where one flat copy of
+    them all would hold as much again as the tensors themselves. Every rank must pass the
+    same sizes and `cap` (its buckets are then the same)."""
+    pending: tuple[Any, torch.Tensor, list[torch.Tensor]] | None = None
+    for bucket in _buckets(tensors, cap):
+        dense = len(bucket) == 1 and bucket[0].is_contiguous()
+        flat = bucket[0] if dense else _packed(bucket)
+        if not is_eager(flat):
+            _unpack(bucket, all_reduce_sum(flat, group, what))
+            continue
+        opens(group)
+        work = dist.all_reduce(flat, group=group.pg, async_op=True)
+        if pending is not None:
+            _finish(pending, what)
+        pending = (work, flat, bucket)
+    if pending is not None:
+        _finish(pending, what)
+
+
+def _buckets(tensors: list[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]]:
+    """`tensors` in order, in runs of at most `cap` bytes (a larger tensor alone)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > cap:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += n
+    if bucket:
+        yield bucket
+
+
+def _packed(bucket: list[torch.Tensor]) -> torch.Tensor:
+    """`bucket`'s values in one flat buffer, each in its logical (row-major) order whatever
+    its memory format: ranks whose tensors differ in layout pack the same sequence."""
+    numels = [t.numel() for t in bucket]
+    flat = bucket[0].new_empty(sum(numels))
+    for t, part in zip(bucket, flat.split(numels), strict=True):
+        part.view(t.shape).copy_(t)  # no temporary, unlike `t.reshape(-1)` of a strided t
+    return flat
+
+
+def _finish(pending: tuple[Any, torch.Tensor, list[torch.Tensor]], what: str) -> None:
+    work, flat, bucket = pending
+    waited(what, work.wait)
+    if flat is not bucket[0]:  # a packed bucket: its sums back into the tensors
+        _unpack(bucket, flat)
+
+
+def _unpack(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
+    for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+        t.copy_(part.view_as(t))
+
+
 class _AllGather(torch.autograd.Function):
     """Forward: `(n, ...) -> (P * n, ...)`, every rank's block in rank order.
     Backward: `(P * n, ...) -> (n, ...)`, the sum over ranks of this rank's block."""

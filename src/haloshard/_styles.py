@@ -7,7 +7,9 @@ sums the parameters' per-rank partial gradients over the cp axis for users witho
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 from torch import nn
@@ -267,19 +269,32 @@ def _signature(named: list[tuple[str, nn.Parameter]]) -> int:
 
 
 # Every rank's trainable parameters, agreed before their gradients are summed.
-_PARAMS = Fields(("error", "count", "signature"), "reduce_grads", "every rank must hold the "
-                 "same model with the same frozen parameters", prefix="reduce_grads: ",
+_PARAMS = Fields(("error", "count", "signature", "bucket"), "reduce_grads", "every rank must "
+                 "hold the same model with the same frozen parameters, and pass the same "
+                 "bucket_cap_mb", prefix="reduce_grads: ",
                  show=lambda field, values: (
                      "the parameters that require grad (their count)" if field == "count"
+                     else "bucket_cap_mb (in bytes)" if field == "bucket"
                      else "the parameters that require grad (a digest of their names, shapes "
                      "and dtypes)", values))
 
 
-def _agree_params(named: list[tuple[str, nn.Parameter]], group: _comm.Group) -> list[bool]:
+def _bucket_bytes(bucket_cap_mb: Any) -> tuple[int, str | None]:
+    """`bucket_cap_mb` in bytes, or 0 and what is wrong with it."""
+    if isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool) \
+            and math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0:
+        return max(1, int(bucket_cap_mb * 2**20)), None
+    return 0, (f"reduce_grads: bucket_cap_mb must be a positive number of MiB, got "
+               f"{bucket_cap_mb!r}")
+
+
+def _agree_params(named: list[tuple[str, nn.Parameter]], bucket: int, problem: str | None,
+                  group: _comm.Group) -> list[bool]:
     """Which parameters have a gradient on some rank, after every rank has agreed on the
-    parameter list (`haloshard._agree`); `HaloError` on every rank otherwise."""
-    problem = _grads_problem(named)
-    row = torch.tensor([int(problem is not None), len(named), _signature(named)])
+    parameter list and the bucket size (`haloshard._agree`); `HaloError` on every rank
+    otherwise (this rank's own `problem` first)."""
+    problem = problem or _grads_problem(named)
+    row = torch.tensor([int(problem is not None), len(named), _signature(named), bucket])
     try:
         rows = gather(row, group, "reduce_grads metadata exchange")
     except HaloError as error:
@@ -321,9 +336,11 @@ def _meet_forwards(model: nn.Module, site: tuple[Agreements, Hashable, str | Non
             "ranks, e.g. under torch.no_grad(), or one this rank skipped)")
 
 
-def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | None = None
-                 ) -> None:
-    """Sum every parameter's gradient over the cp ranks, in place (one all-reduce per dtype).
+def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | None = None,
+                 bucket_cap_mb: float = _comm.BUCKET_MB) -> None:
+    """Sum every parameter's gradient over the cp ranks, in place (one all-reduce per bucket
+    of at most `bucket_cap_mb` MiB, as DDP's: a model whose gradients fit one bucket pays one
+    all-reduce per dtype).
 
     Under a halo, each rank's parameter gradient is the partial sum over its own outputs;
     the single-device gradient is their sum. DDP or FSDP over the cp ranks does this already.
@@ -339,9 +356,12 @@ def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | N
         model: the model after `backward()`.
         mesh: the cp mesh (1-D), or a larger mesh with `mesh_axis` naming the cp axis.
         mesh_axis: the cp axis of an N-D mesh.
+        bucket_cap_mb: the most gradient bytes (MiB) packed into one all-reduce; beside the
+            gradients, the call holds at most two buckets (DDP's default size, 25).
 
     Raises:
-        HaloError: on every rank, when the ranks' trainable parameters differ (a parameter
+        HaloError: on every rank, when bucket_cap_mb is not a positive number or differs
+            between ranks, when the ranks' trainable parameters differ (a parameter
             frozen on one rank, another dtype) or a gradient does not match its parameter,
             or when a rank runs a forward instead (an extra one, e.g. under no_grad).
 
@@ -357,13 +377,14 @@ def reduce_grads(model: nn.Module, mesh: DeviceMesh, *, mesh_axis: int | str | N
     site = _comm.opening(group)
     try:
         _meet_forwards(model, site, group)
-        _sum_grads(named, _agree_params(named, group), group)
+        bucket, problem = _bucket_bytes(bucket_cap_mb)
+        _sum_grads(named, _agree_params(named, bucket, problem, group), group, bucket)
     finally:
         _comm.reopen(group, site)  # the next forward opens afresh, not these collectives
 
 
 def _sum_grads(named: list[tuple[str, nn.Parameter]], present: list[bool],
-               group: _comm.Group) -> None:
+               group: _comm.Group, bucket: int) -> None:
     """Sum the gradients that exist on some rank (`present`) over `group`, in place."""
     params = [p for (_, p), has in zip(named, present, strict=True) if has]
     for p in params:
@@ -371,7 +392,4 @@ def _sum_grads(named: list[tuple[str, nn.Parameter]], present: list[bool],
             p.grad = torch.zeros_like(p)
     for dtype in sorted({p.dtype for p in params}, key=str):
         grads = [p.grad for p in params if p.dtype == dtype and p.grad is not None]
-        flat = _comm.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]), group,
-                                    "reduce_grads all-reduce")
-        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            g.copy_(part.view_as(g))
+        _comm.all_reduce_sum_(grads, group, "reduce_grads all-reduce", bucket)

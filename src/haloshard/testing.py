@@ -4,7 +4,8 @@ The same SPMD test body runs in two harnesses:
 - `simulated_mesh(n)`: one process, a `fake` process group and `LocalTensorMode`, so every
   tensor holds one value per simulated rank and collectives move real data (seconds);
 - `GlooWorld(n)`: n real processes on CPU with gloo, started once and reused for many calls
-  (the truth). A call that does not return in time kills the world and raises, never hangs.
+  (the truth). A call that does not return in time, or whose worker dies, kills the world
+  and raises, never hangs.
 `rank_map` and `assert_close_per_rank` make one body work in both; `per_rank` reads every
 rank's value back as plain tensors. `shard`, `rank_map`, `per_rank`, `seeded_randn` and
 `single_device` live in `haloshard._per_rank` (`verify_plan`, a library API, uses them
@@ -21,8 +22,10 @@ import math
 import os
 import pickle
 import queue
+import signal
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -163,6 +166,21 @@ def _worker(rank: int, world: int, store_path: str, pg_timeout: float,
     dist.destroy_process_group()
 
 
+class WorkerDied(RuntimeError):
+    """A `GlooWorld` worker process ended while a call was running (killed by a signal, e.g.
+    the kernel's OOM killer, or an abort in a backend): the world was torn down."""
+
+
+def _exit_text(code: int | None) -> str:
+    """A worker's exit code in words: a signal's name where it was killed by one."""
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            name = signal.Signals(-code).name
+            return f"killed by {name}" + (" (the kernel's OOM killer sends it)"
+                                          if name == "SIGKILL" else "")
+    return f"exit code {code}"
+
+
 class GlooWorld:
     """`world_size` real CPU processes in one gloo group, reused across calls.
 
@@ -170,7 +188,9 @@ class GlooWorld:
     file; it is loaded by path in the workers) and returns the per-rank results. Each
     worker uses one thread; workers fork from a server that imported torch once. If any rank
     does not answer within `timeout` seconds, the world is torn down and `TimeoutError`
-    names the silent ranks.
+    names the silent ranks; if a worker process dies meanwhile (a signal, the OOM killer),
+    the world is torn down within a second and `WorkerDied` names it and why, where the
+    ranks still alive would otherwise wait for it until the timeout.
 
     Example::
         >>> with GlooWorld(2) as world:
@@ -206,20 +226,31 @@ class GlooWorld:
         pickle.dumps(task)  # an unpicklable argument fails here, not as a worker timeout
         for q in self._tasks:
             q.put(task)
+        limit = timeout or self.timeout
+        deadline = time.monotonic() + limit
         got: dict[int, tuple[bool, Any]] = {}
-        try:
-            while len(got) < self.world_size:
-                rank, ok, value = self._results.get(timeout=timeout or self.timeout)
+        while len(got) < self.world_size:
+            try:  # a second at a time: a dead worker is seen within one
+                rank, ok, value = self._results.get(
+                    timeout=max(0.0, min(1.0, deadline - time.monotonic())))
                 got[rank] = (ok, value)
-        except queue.Empty:
+                continue
+            except queue.Empty:
+                pass
+            dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+            if not dead and time.monotonic() < deadline:
+                continue
             silent = sorted(set(range(self.world_size)) - set(got))
             self.close(force=True)
             # The ranks that did answer with an error usually say why the others hang.
             errors = "".join(f"\nrank {r}: {v[2]}" for r, (ok, v) in sorted(got.items())
                              if not ok)
+            if dead:
+                which = ", ".join(f"rank {r} ({_exit_text(code)})" for r, code in dead)
+                raise WorkerDied(f"{which} died during {fn.__qualname__}; ranks {silent} had "
+                                 f"not answered (the world was torn down){errors}")
             raise TimeoutError(f"ranks {silent} did not answer {fn.__qualname__} within "
-                               f"{timeout or self.timeout}s (the world was torn down)"
-                               f"{errors}") from None
+                               f"{limit}s (the world was torn down){errors}")
         return [got[r] for r in range(self.world_size)]
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
