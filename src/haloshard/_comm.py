@@ -707,7 +707,7 @@ def all_reduce_sum_(tensors: list[torch.Tensor], group: Group, what: str, cap: i
         dense = len(bucket) == 1 and bucket[0].is_contiguous()
         flat = bucket[0] if dense else _packed(bucket)
         if not is_eager(flat):
-            _unpack(bucket, all_reduce_sum(flat, group, what))
+            _unpack(bucket, all_reduce_sum(flat, group, what).reshape(-1))
             continue
         opens(group)
         work = dist.all_reduce(flat, group=group.pg, async_op=True)
