@@ -80,7 +80,7 @@ from haloshard import HaloParallel, HaloShard
 from haloshard._compat import c10d_name
 from haloshard._conv import halo_taps
 from haloshard._plan import exchange_plan
-from haloshard.testing import GlooWorld, shard, worker_mesh
+from haloshard.testing import GlooWorld, peak_bytes, shard, worker_mesh
 
 
 class CausalConv(nn.Module):
@@ -195,26 +195,6 @@ class _Count:
         setattr(dist, self._gather_name, self._ag)
 
 
-def _peak_bytes(step: Callable[[], None]) -> int:
-    """Peak bytes allocated during `step`: the running sum of the allocations and frees
-    torch's profiler records, in time order. (The same numbers as its memory timeline, which
-    asserts on some in-place update patterns while building its data-flow graph.)"""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    pending, events = list(prof.profiler.kineto_results.experimental_event_tree()), []
-    while pending:
-        node = pending.pop()
-        pending.extend(node.children)
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-    live = peak = 0
-    for _, size in sorted(events, key=lambda e: e[0]):
-        live += size
-        peak = max(peak, live)
-    return peak
 
 
 def _raw_halos(full: torch.Tensor, case: Case, rank: int, world: int, left: int, right: int
@@ -376,7 +356,7 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
     # forward: the edge slices neighbours need; backward: the gradients of the halo slices
     # this rank received, back to their owners
     halo = (sum(plan.send_splits) + sum(plan.recv_splits)) * slice_bytes
-    peaks = {name: _peak_bytes(steps[name])
+    peaks = {name: peak_bytes(steps[name])[0]
              for name in ("floor", "default", "overlap", "no overlap", *raw_steps)}
     return {"ms": times,
             "sent": count.sent / halo if halo else float("nan"), "meta": count.meta,

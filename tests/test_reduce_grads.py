@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from haloshard import HaloError, reduce_grads
-from haloshard.testing import counted_collectives, worker_mesh
+from haloshard.testing import counted_collectives, peak_bytes, worker_mesh
 
 KIB = 2**-10  # bucket_cap_mb of one KiB
 
@@ -46,24 +46,6 @@ def _expected() -> list[torch.Tensor]:
     return [a.grad + b.grad for a, b in zip(*(m.parameters() for m in models), strict=True)]
 
 
-def _peak(fn: Any) -> int:
-    """The peak of bytes allocated during `fn()` above its start (the profiler's records)."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    pending, sizes = list(prof.profiler.kineto_results.experimental_event_tree()), []
-    while pending:
-        node = pending.pop()
-        pending.extend(node.children)
-        if node.tag == _EventType.Allocation:
-            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
-    live = peak = 0
-    for _, size in sorted(sizes):
-        live += size
-        peak = max(peak, live)
-    return peak
 
 
 def bucketed(cap_mb: float) -> dict[str, Any]:
@@ -73,7 +55,7 @@ def bucketed(cap_mb: float) -> dict[str, Any]:
     reduce_grads(model, mesh, bucket_cap_mb=cap_mb)  # once untimed: the agreement's rows
     _grads(model, rank)
     with counted_collectives() as calls:
-        peak = _peak(lambda: reduce_grads(model, mesh, bucket_cap_mb=cap_mb))
+        peak, _ = peak_bytes(lambda: reduce_grads(model, mesh, bucket_cap_mb=cap_mb))
     return {"grads": [p.grad.clone() for p in model.parameters()],
             "layout": model[2].weight.grad.is_contiguous(memory_format=torch.channels_last),
             "calls": dict(calls), "peak": peak}

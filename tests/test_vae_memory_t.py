@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from haloshard import CausalConvParallel, HaloError
 from haloshard.testing import (
     assert_close_per_rank,
+    peak_bytes,
     rank_map,
     seeded_randn,
     shard,
@@ -228,25 +229,6 @@ def dist_world() -> int:
     return dist.get_world_size()
 
 
-def peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
-    """The peak of bytes allocated during `fn()` above its start (the running sum of the
-    profiler's allocation and free records in time order), and `fn`'s result."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    pending, sizes = list(prof.profiler.kineto_results.experimental_event_tree()), []
-    while pending:
-        node = pending.pop()
-        pending.extend(node.children)
-        if node.tag == _EventType.Allocation:
-            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
-    live = peak = 0
-    for _, size in sorted(sizes):
-        live += size
-        peak = max(peak, live)
-    return peak, out
 
 
 @pytest.fixture(scope="module")

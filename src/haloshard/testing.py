@@ -330,6 +330,30 @@ def counted_collectives(*, by_dtype: bool = False) -> Iterator[collections.Count
             setattr(dist, attr, fn)
 
 
+def peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """The peak of bytes allocated during `fn()` above its start, and `fn`'s result: the
+    running sum of the allocations and frees torch's profiler records, in time order (the
+    same numbers as its memory timeline, which asserts on some in-place update patterns
+    while building its data-flow graph). Frees made by another thread (gloo's workers) are
+    not recorded: a buffer such a thread frees stays counted."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    pending, sizes = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while pending:
+        node = pending.pop()
+        pending.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
+    live = peak = 0
+    for _, size in sorted(sizes, key=lambda e: e[0]):
+        live += size
+        peak = max(peak, live)
+    return peak, out
+
+
 def sum_over_ranks(t: torch.Tensor, mesh: DeviceMesh, *, mesh_axis: int | str = 0) -> torch.Tensor:
     """The sum of `t` over the ranks of `mesh_axis`, as a plain tensor on every rank.
 
