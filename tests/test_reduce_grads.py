@@ -84,7 +84,7 @@ def bad_cap(case: str) -> str:
     model = _model()
     _grads(model, rank)
     cap = {"zero on rank 1": [25.0, 0], "differs": [25.0, 1.0], "nan": [float("nan")] * 2,
-           "text": ["25"] * 2}[case][rank]
+           "text": ["25"] * 2, "huge on rank 1": [25.0, 1e30]}[case][rank]
     with pytest.raises(HaloError) as caught:
         reduce_grads(model, mesh, bucket_cap_mb=cap)
     return str(caught.value)
@@ -97,6 +97,9 @@ def bad_cap(case: str) -> str:
     ("differs", r"ranks disagree on bucket_cap_mb \(in bytes\): \[26214400, 1048576\]"),
     ("nan", r"bucket_cap_mb must be a positive number of MiB, got nan"),
     ("text", r"bucket_cap_mb must be a positive number of MiB, got '25'"),
+    # past int64 in bytes: held at 2**62 bytes, so the ranks disagree (no overflow on one)
+    ("huge on rank 1", r"ranks disagree on bucket_cap_mb \(in bytes\): \[26214400, "
+                       r"4611686018427387904\]"),
 ])
 def test_a_bad_or_differing_bucket_raises_on_every_rank(gloo, case: str, message: str) -> None:
     import re

@@ -283,7 +283,7 @@ def _bucket_bytes(bucket_cap_mb: Any) -> tuple[int, str | None]:
     """`bucket_cap_mb` in bytes, or 0 and what is wrong with it."""
     if isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool) \
             and math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0:
-        return max(1, int(bucket_cap_mb * 2**20)), None
+        return max(1, min(int(bucket_cap_mb * 2**20), 2**62)), None  # an int64 in the row
     return 0, (f"reduce_grads: bucket_cap_mb must be a positive number of MiB, got "
                f"{bucket_cap_mb!r}")
 
