@@ -208,6 +208,12 @@ SLOW_CONV3D = frozenset({torch._C._ConvBackend.Slow3d, torch._C._ConvBackend.Slo
 # dispatches to on CPU where its size rule does not send the conv to the slow path.
 onednn_convolution = torch.ops.aten.mkldnn_convolution
 
+# The kind of a profiler record that is an allocation or a free (`testing.peak_bytes` sums
+# them from the profiler's event tree).
+from torch._C._profiler import _EventType
+
+ALLOCATION_EVENT = _EventType.Allocation
+
 # The autograd node whose backward is running (None outside backward): `_dtensor_ops` knows
 # by it that a cat is torch's own in a split's backward.
 current_autograd_node = torch._C._current_autograd_node

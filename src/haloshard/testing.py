@@ -336,8 +336,9 @@ def peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
     same numbers as its memory timeline, which asserts on some in-place update patterns
     while building its data-flow graph). Frees made by another thread (gloo's workers) are
     not recorded: a buffer such a thread frees stays counted."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
+
+    from haloshard._compat import ALLOCATION_EVENT
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
@@ -345,7 +346,7 @@ def peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
     while pending:
         node = pending.pop()
         pending.extend(node.children)
-        if node.tag == _EventType.Allocation:
+        if node.tag == ALLOCATION_EVENT:
             sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
     live = peak = 0
     for _, size in sorted(sizes, key=lambda e: e[0]):
