@@ -195,8 +195,6 @@ class _Count:
         setattr(dist, self._gather_name, self._ag)
 
 
-
-
 def _raw_halos(full: torch.Tensor, case: Case, rank: int, world: int, left: int, right: int
                ) -> torch.Tensor:
     """This rank's halo `[left ++ right]` along T, cut from the global input: its

@@ -9,6 +9,7 @@ order, so every comparison is exact.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -102,8 +103,6 @@ def bad_cap(case: str) -> str:
                        r"4611686018427387904\]"),
 ])
 def test_a_bad_or_differing_bucket_raises_on_every_rank(gloo, case: str, message: str) -> None:
-    import re
-
     for rank, text in enumerate(gloo(2).run(bad_cap, case)):
         assert re.search(message, text), (rank, text)
 

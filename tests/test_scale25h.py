@@ -53,7 +53,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from haloshard import reduce_grads
 from haloshard.integrations.diffusers import plan_for
 from haloshard.testing import (
+    allocations,
     assert_close_per_rank,
+    peak_bytes,
     per_rank,
     rank_map,
     seeded_randn,
@@ -70,41 +72,12 @@ TOL32 = {"atol": 1e-5, "rtol": 1e-5}
 
 
 # ---------------------------------------------------------------- counters
-def _allocations(fn: Callable[[], Any]) -> tuple[list[tuple[int, int]], list[int], Any]:
-    """The profiler's allocation records during `fn()` as (time, bytes; negative: a
-    free), the start times of its `aten::convolution` calls, and `fn`'s result."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    pending, sizes, convs = list(prof.profiler.kineto_results.experimental_event_tree()), [], []
-    while pending:
-        node = pending.pop()
-        pending.extend(node.children)
-        if node.tag == _EventType.Allocation:
-            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
-        elif node.name in ("aten::convolution", "aten::mkldnn_convolution"):
-            convs.append(node.start_time_ns)
-    return sorted(sizes), convs, out
-
-
 def live_at_conv(fn: Callable[[], Any]) -> tuple[int, Any]:
     """Bytes allocated during `fn()` and still live when its first conv starts: the
     buffers that conv reads, whatever its kernel then allocates. And `fn`'s result."""
-    sizes, convs, out = _allocations(fn)
+    sizes, convs, out = allocations(fn, ("aten::convolution", "aten::mkldnn_convolution"))
     assert convs, "no aten::convolution ran"
     return sum(size for t, size in sizes if t < min(convs)), out
-
-
-def peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
-    """The peak of bytes allocated during `fn()` above its start, and `fn`'s result."""
-    sizes, _, out = _allocations(fn)
-    live = peak = 0
-    for _, size in sizes:
-        live += size
-        peak = max(peak, live)
-    return peak, out
 
 
 class Outputs(TorchDispatchMode):

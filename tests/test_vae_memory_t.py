@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from haloshard import CausalConvParallel, HaloError
 from haloshard.testing import (
+    allocations,
     assert_close_per_rank,
     peak_bytes,
     rank_map,
@@ -44,19 +45,7 @@ def live_bytes(fn: Callable[[], Any], op: str = "aten::convolution") -> tuple[in
     """Bytes allocated during `fn()` and still live when the first `op` starts (the
     running sum of the profiler's allocation and free records before it): the buffers
     that op reads, whatever its kernel then allocates. And `fn`'s result."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    pending, sizes, starts = list(prof.profiler.kineto_results.experimental_event_tree()), [], []
-    while pending:
-        node = pending.pop()
-        pending.extend(node.children)
-        if node.tag == _EventType.Allocation:
-            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
-        elif node.name == op:
-            starts.append(node.start_time_ns)
+    sizes, starts, out = allocations(fn, (op,))
     assert starts, f"no {op} ran"
     return sum(size for t, size in sizes if t < min(starts)), out
 

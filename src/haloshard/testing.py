@@ -330,26 +330,37 @@ def counted_collectives(*, by_dtype: bool = False) -> Iterator[collections.Count
             setattr(dist, attr, fn)
 
 
-def peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
-    """The peak of bytes allocated during `fn()` above its start, and `fn`'s result: the
-    running sum of the allocations and frees torch's profiler records, in time order (the
-    same numbers as its memory timeline, which asserts on some in-place update patterns
-    while building its data-flow graph). Frees made by another thread (gloo's workers) are
-    not recorded: a buffer such a thread frees stays counted."""
+def allocations(fn: Callable[[], Any], ops: Sequence[str] = ()
+                ) -> tuple[list[tuple[int, int]], list[int], Any]:
+    """The allocation records torch's profiler takes during `fn()` as (time in ns, bytes;
+    negative: a free), in time order; the start times of the ops named in `ops` (e.g.
+    "aten::convolution"); and `fn`'s result. Frees made by another thread (gloo's workers)
+    are not recorded: a buffer such a thread frees stays counted."""
     from torch.profiler import ProfilerActivity, profile
 
     from haloshard._compat import ALLOCATION_EVENT
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-    pending, sizes = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    pending, sizes, starts = list(prof.profiler.kineto_results.experimental_event_tree()), [], []
     while pending:
         node = pending.pop()
         pending.extend(node.children)
         if node.tag == ALLOCATION_EVENT:
             sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
+        elif node.name in ops:
+            starts.append(node.start_time_ns)
+    return sorted(sizes), starts, out
+
+
+def peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """The peak of bytes allocated during `fn()` above its start, and `fn`'s result: the
+    running sum of `allocations` in time order (the same numbers as the profiler's memory
+    timeline, which asserts on some in-place update patterns while building its data-flow
+    graph)."""
+    sizes, _, out = allocations(fn)
     live = peak = 0
-    for _, size in sorted(sizes, key=lambda e: e[0]):
+    for _, size in sizes:
         live += size
         peak = max(peak, live)
     return peak, out
