@@ -363,11 +363,16 @@ def _sharded(full: torch.Tensor, device: str, grad: bool, dims: tuple[int, ...]
 
 
 def _share(full: torch.Tensor, name: str, config: str, mode: str,
-           coords: list[tuple[int, int, int]]) -> torch.Tensor | None:
+           coords: list[tuple[int, int, int]], plus: bool = False) -> torch.Tensor | None:
     """This rank's share of the input on every sharded dim (`coords`): as many latent frames
     and rows as it holds (the `Shard` split of the latent), as the latent or as the video
     that encodes to them (`1 + k t` frames, rows times the spatial factor), cut from the
-    start (the sizes matter here, not the values); None where it holds none."""
+    start (the sizes matter here, not the values); None where it holds none. With `plus`,
+    a rank after the first on T takes one latent frame more: one device's call on `k`
+    latent frames makes `1 + (k - 1) t` video frames, while a rank after the first owns
+    `k t` of the clip's (the causal first frame is rank 0's), so the floor on its share
+    alone under-counts its work and the floor one frame longer (`1 + k t`) over-counts it
+    by one frame."""
     model = vae_models.MODELS[name]
     for dim, n, rank in coords:
         factor = 1 if mode == "decode" else model.temporal if dim == 2 else model.spatial[
@@ -377,6 +382,7 @@ def _share(full: torch.Tensor, name: str, config: str, mode: str,
         count = shard_sizes(latent, n)[rank]
         if not count:
             return None
+        count += int(plus and dim == 2 and rank > 0)
         length = count if mode == "decode" else (
             1 + (count - 1) * factor if dim == 2 else count * factor)
         full = full.narrow(dim, 0, length)
@@ -401,7 +407,8 @@ class _Run:
     def __init__(self, job: dict[str, Any]) -> None:
         self.job, self.name, self.mode = job, job["name"], job["mode"]
         self.device, self.dims = job["device"], tuple(job["dims"])
-        self.floor = bool(job.get("floor"))  # one device's calls on this rank's share
+        # one device's calls on this rank's share ("plus": one latent frame longer on T)
+        self.floor = bool(job.get("floor"))
         self.vae = _model(self.name, job["config"], self.device, self.dims, not self.floor)
         self.coords = _coords(self.device, self.dims)
         video, latent = vae_models.shapes(self.name, job["config"], job["frames"], job["size"])
@@ -412,7 +419,8 @@ class _Run:
             self.full = seeded_randn(video, 1, torch.float32).to(self.device)
         self.share = None
         if self.floor:
-            self.share = _share(self.full, self.name, job["config"], self.mode, self.coords)
+            self.share = _share(self.full, self.name, job["config"], self.mode, self.coords,
+                                job["floor"] == "plus")
             self.x = self.leaf = (self.full.narrow(2, 0, 0) if self.share is None else
                                   self.share.clone().requires_grad_(self.mode == "train"))
         else:
@@ -714,9 +722,11 @@ def _jobs(args: argparse.Namespace, ref_dir: str, p: int,
                  "repeat": args.repeat,
                  "approx": args.approx, "ref_dir": ref_dir}
                 for mode in args.modes]
-    if p > 1 and args.floor:
+    if p > 1:
         # after the sharded runs: their models are built once, then the plain ones
-        jobs += [{**job, "floor": True} for job in jobs]
+        jobs += ([{**job, "floor": True} for job in jobs] * args.floor
+                 + [{**job, "floor": "plus"} for job in jobs if 2 in job["dims"]]
+                 * args.floor_plus)
     return jobs
 
 
@@ -737,7 +747,7 @@ def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float,
             record = {"model": job["name"], "mode": job["mode"], "P": p,
                       "dims": list(job["dims"])}
             if job.get("floor"):
-                record["floor"] = True
+                record["floor"] = job["floor"]
             try:
                 record["ranks"] = world.run(rank_run, job)
             except (AssertionError, TimeoutError, WorkerDied) as exc:
@@ -751,7 +761,7 @@ def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float,
 
 def _progress(record: dict[str, Any]) -> str:
     head = (f"# {record['model']} {record['mode']} P={record['P']} "
-            f"sharded {_label(record['dims'])}{' (floor)' if record.get('floor') else ''}:")
+            f"sharded {_label(record['dims'])}{_FLOOR_LABEL[record.get('floor', False)]}:")
     if "refused" in record:
         return f"{head} refused: {record['refused']}"
     if "error" in record:
@@ -761,6 +771,9 @@ def _progress(record: dict[str, Any]) -> str:
     return (f"{head} act {top['act'] / MiB:.1f} MiB, compute "
             f"{max(r['compute'] for r in ranks):.2f} s, diff {max(r['diff'] for r in ranks):.1e}"
             f"; peak in {top['where'] or '?'}")
+
+
+_FLOOR_LABEL = {False: "", True: " (floor)", "plus": " (floor, one latent frame longer)"}
 
 
 def _dims(text: list[str]) -> tuple[int, ...]:
@@ -797,6 +810,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--floor", action="store_true",
                         help="also each of the P ranks running one device's call on its "
                              "own share, at once: the compute a rank pays at least")
+    parser.add_argument("--floor-plus", action="store_true",
+                        help="also, with T sharded, the same with one latent frame more on "
+                             "every rank but the first (a causal model's rank after the "
+                             "first owns 1 video frame more than one device's call on its "
+                             "share makes): the floor bracketed from above")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
     parser.add_argument("--out", help="write every rank's numbers here (JSON, after each run)")
     return parser
@@ -866,9 +884,10 @@ def _where(row: dict[str, Any]) -> str:
 
 
 def _row(record: dict[str, Any], one: dict[str, Any] | None,
-         floor: dict[str, Any] | None = None, floors: bool = False) -> str:
-    """A table row; with `floors`, the two floor columns (`_floor_cells`) after it."""
-    head, gap = f"| {record['model']} | {record['P'] or '-'} |", "||" if floors else ""
+         floors: tuple[dict[str, Any] | None, ...] = ()) -> str:
+    """A table row; per entry of `floors` (a floor's record, or None where it has none),
+    its two columns (`_floor_cells`) after it."""
+    head, gap = f"| {record['model']} | {record['P'] or '-'} |", "||" * len(floors)
     if "refused" in record:
         return f"{head} refused: {record['refused'][:300]} ||||||||||{gap}"
     if "error" in record:
@@ -888,7 +907,7 @@ def _row(record: dict[str, Any], one: dict[str, Any] | None,
             f"{max(r['wall'] for r in ranks):.2f} | "
             f"{max(r['sent'] for r in ranks) / MiB:.2f}{_agreed(ranks)} | "
             f"{max(r['diff'] for r in ranks):.1e} ({max(r['rel'] for r in ranks):.0e}) | "
-            f"{_where(top)} |{_floor_cells(compute, p, one, floor) if floors else ''}")
+            f"{_where(top)} |{''.join(_floor_cells(compute, p, one, f) for f in floors)}")
 
 
 def _agreed(ranks: list[dict[str, Any]]) -> str:
@@ -933,14 +952,17 @@ def _table(records: list[dict[str, Any]], args: argparse.Namespace, mode: str,
            dims: tuple[int, ...]) -> list[str]:
     """One mode with `dims` sharded: per model, one device's row, then each P's busiest
     rank (or the plan's refusal)."""
-    header = _HEADER if not args.floor else [
-        _HEADER[0] + " floor*P/one | compute/floor |", _HEADER[1] + "---|---|"]
+    shown = [(kind, label) for kind, label, on in (
+        (True, "floor", args.floor), ("plus", "floor+", args.floor_plus and 2 in dims)) if on]
+    header = [_HEADER[0] + "".join(f" {label}*P/one | compute/{label} |" for _, label in shown),
+              _HEADER[1] + "---|---|" * len(shown)]
     lines = ["", f"{mode}, {_label(dims)} sharded:", "", *header]
     for name in args.models:
         mine = [r for r in records if r["model"] == name and r["mode"] == mode]
         one = next((r for r in mine if r["P"] == 1), None)
-        floors = {r["P"]: r for r in mine if r.get("floor") and tuple(r["dims"]) == dims}
-        lines += [_row(r, one, floors.get(r["P"]), args.floor)
+        floors = {(r["P"], r["floor"]): r for r in mine
+                  if r.get("floor") and tuple(r["dims"]) == dims}
+        lines += [_row(r, one, tuple(floors.get((r["P"], kind)) for kind, _ in shown))
                   for r in sorted(mine, key=lambda r: r["P"] or 0)
                   if not r.get("floor") and (r["P"] == 1 or tuple(r["dims"]) == dims)]
     return lines

@@ -42,12 +42,15 @@ TINY = ["--config", "tiny", "--frames", "9", "--size", "32", "--warmup", "0",
 def _check(records: list[dict[str, Any]], modes: list[str], models: list[str]) -> None:
     """One device and P = 2 on T for every model; on H, P = 2 for the models `plan_for`
     shards there and one refusal per mode for the others (LTX-Video's patch_size=4
-    encoder); with `--floor`, one device on a rank's share beside every P = 2 run."""
-    floors = {(r["model"], r["mode"], r["P"], tuple(r["dims"])): r for r in records
-              if r.get("floor")}
+    encoder); with `--floor`, one device on a rank's share beside every P = 2 run, and
+    with `--floor-plus` on one latent frame more beside every P = 2 run on T."""
+    floors = {(r["model"], r["mode"], r["P"], tuple(r["dims"]), r["floor"]): r
+              for r in records if r.get("floor")}
     records = [r for r in records if not r.get("floor")]
-    assert floors.keys() == {(r["model"], r["mode"], r["P"], tuple(r["dims"]))
-                             for r in records if r["P"] not in (1, None)}
+    sharded = [(r["model"], r["mode"], r["P"], tuple(r["dims"])) for r in records
+               if r["P"] not in (1, None)]
+    assert floors.keys() == {(*key, True) for key in sharded} | {
+        (*key, "plus") for key in sharded if key[3] == (2,)}
     for floor in floors.values():
         assert "error" not in floor, floor["error"]
         assert floor["ranks"][0]["compute"] > 0, floor
@@ -80,7 +83,7 @@ def test_every_model_every_mode(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     models, modes = sorted(vae.vae_models.MODELS), list(vae.MODES)
     out = tmp_path / "results.json"
     records = vae.main([*TINY, "--ranks", "2", "--dims", "2", "--dims", "3", "--approx",
-                        "--floor", "--out", str(out)])
+                        "--floor", "--floor-plus", "--out", str(out)])
     _check(records, modes, models)
     hunyuan = next(r for r in records
                    if r["model"] == "hunyuan" and r["mode"] == "decode" and r["P"] == 1)
@@ -90,7 +93,7 @@ def test_every_model_every_mode(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert all(row["max_abs"] > 0 and row["psnr"] < 100 for row in approx.values()), approx
     printed = capsys.readouterr().out
     for header in ("decode, T sharded:", "encode, H sharded:", "train, H sharded:",
-                   "compute/floor |",
+                   "compute/floor | floor+*P/one | compute/floor+ |",
                    "decode, diffusers' approximations", "| ltx | - | refused: "):
         assert header in printed
     assert json.loads(out.read_text())["records"] == json.loads(json.dumps(records))
@@ -129,6 +132,27 @@ def test_repeat_times_each_case_that_often(monkeypatch: pytest.MonkeyPatch) -> N
     out, row = vae._timed(Run(), 3)  # type: ignore[arg-type]
     assert out == 3 and row["compute"] == 1.0 and row["reps"] == 3, row
     assert calls == {"run": 3, "zero": 2}
+
+
+def test_the_floor_one_frame_longer_adds_a_latent_frame_after_the_first_rank() -> None:
+    """`--floor-plus`: a rank after the first on T runs one device's call on one latent
+    frame more than it holds (`1 + k t` video frames, `k + 1` latents); the first rank,
+    and H, as `--floor`."""
+    video = torch.empty(1, 3, 1 + 4 * 15, 32, 32)  # HunyuanVideo: t = 4, 16 latent frames
+    latent = torch.empty(1, 16, 16, 8, 8)
+    for rank in range(4):  # 4 latent frames each: 13 video frames, 17 one frame longer
+        assert vae._share(video, "hunyuan", "default", "train", [(2, 4, rank)]
+                          ).shape[2] == 13
+        assert vae._share(video, "hunyuan", "default", "train", [(2, 4, rank)], plus=True
+                          ).shape[2] == (17 if rank else 13)
+        assert vae._share(latent, "hunyuan", "default", "decode", [(2, 4, rank)], plus=True
+                          ).shape[2] == (5 if rank else 4)
+    assert vae._share(video, "hunyuan", "default", "train", [(3, 2, 1)], plus=True
+                      ).shape == (1, 3, 61, 16, 32)
+    args = vae._args([*TINY, "--ranks", "2", "--dims", "2", "--dims", "3", "--floor-plus"])
+    assert [(job["dims"], job.get("floor")) for job in vae._jobs(args, "/tmp", 2, {})
+            if job["name"] == "wan" and job["mode"] == "train"] == [
+        ((2,), None), ((3,), None), ((2,), "plus")]
 
 
 @pytest.mark.parametrize("coords", [[(2, 2, 1)], [(3, 3, 2)], [(2, 2, 0), (3, 2, 1)]])
