@@ -57,7 +57,11 @@ once, as the sharded ranks run, so they share the machine's cores and memory ban
 alike: the compute a rank pays at least with the model's own kernels at that size, exact
 formulation or not. Its columns: `floor*P/one` (over 1.10, no formulation meets the
 compute target at this size on this machine) and `compute/floor` (what the busiest rank
-pays beyond it). With `--approx`, on one device: `enable_tiling()` with two
+pays beyond it). `--floor-plus` adds, with T sharded, the same floor with one latent frame
+more on every rank after the first: a causal model's rank after the first owns `k t` video
+frames of its `k` latent frames, one device's call on them makes `1 + (k - 1) t`, so the
+floor under-counts that rank's work and this one (`1 + k t`) over-counts it by a frame;
+its columns `floor+*P/one` and `compute/floor+`. With `--approx`, on one device: `enable_tiling()` with two
 spatial tiles per axis (stride half the clip's side, tiles a quarter of a stride longer:
 smaller than the clip, so tiling happens), and temporal tiles of half the clip where the
 model has them (HunyuanVideo: its default; LTX), for decode and encode: time, peak, and the
