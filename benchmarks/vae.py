@@ -48,24 +48,25 @@ before any world starts) gets a `refused: <message>` row instead of a run. With 
 the public calls that are frame loops or gather the video are replaced by what
 docs/diffusers.md says to call: `cogvideox_*`, `wan_*`, `mochi_decode`.
 
-Tables, one per mode and dims setting: the busiest rank of each P, the ratios
-`act * P / act(P=1)` and `compute * P / compute(P=1)` against the targets 1.15 and 1.10
-(halo slices not subtracted). `--floor` adds, per P and setting, a run of the same P
-processes in which each calls one device's public call on its own share of the input (its
-latent frames and rows; no halo, no communication, attention over the share alone), at
-once, as the sharded ranks run, so they share the machine's cores and memory bandwidth
-alike: the compute a rank pays at least with the model's own kernels at that size, exact
-formulation or not. Its columns: `floor*P/one` (over 1.10, no formulation meets the
-compute target at this size on this machine) and `compute/floor` (what the busiest rank
-pays beyond it). `--floor-plus` adds, with T sharded, the same floor with one latent frame
-more on every rank after the first: a causal model's rank after the first owns `k t` video
-frames of its `k` latent frames, one device's call on them makes `1 + (k - 1) t`, so the
-floor under-counts that rank's work and this one (`1 + k t`) over-counts it by a frame;
-its columns `floor+*P/one` and `compute/floor+`. With `--approx`, on one device: `enable_tiling()` with two
-spatial tiles per axis (stride half the clip's side, tiles a quarter of a stride longer:
-smaller than the clip, so tiling happens), and temporal tiles of half the clip where the
-model has them (HunyuanVideo: its default; LTX), for decode and encode: time, peak, and the
-error against the exact result (max abs, PSNR over the exact result's range).
+Tables, one per mode and dims setting: the busiest rank of each P, the ratios `act * P /
+act(P=1)` and `compute * P / compute(P=1)` against the targets 1.15 and 1.10 (halo slices
+not subtracted). `--floor` adds, per P and setting, a run of the same P processes in which
+each calls one device's public call on its own share of the input (its latent frames and
+rows; no halo, no communication, attention over the share alone), at once, as the sharded
+ranks run, so they share the machine's cores and memory bandwidth alike: the compute a
+rank pays at least with the model's own kernels at that size, exact formulation or not.
+Its columns: `floor*P/one` (over 1.10, no formulation meets the compute target at this
+size on this machine) and `compute/floor` (what the busiest rank pays beyond it).
+`--floor-plus` adds, with T sharded, the same floor with one latent frame more on every
+rank after the first: a causal model's rank after the first owns `k t` video frames of its
+`k` latent frames, one device's call on them makes `1 + (k - 1) t`, so the floor
+under-counts that rank's work and this one (`1 + k t`) over-counts it by a frame; its
+columns `floor+*P/one` and `compute/floor+`. With `--approx`, on one device:
+`enable_tiling()` with two spatial tiles per axis (stride half the clip's side, tiles a
+quarter of a stride longer: smaller than the clip, so tiling happens), and temporal tiles
+of half the clip where the model has them (HunyuanVideo: its default; LTX), for decode and
+encode: time, peak, and the error against the exact result (max abs, PSNR over the exact
+result's range).
 
     python -m benchmarks.vae --models hunyuan wan --modes decode train --ranks 1 2 4 \\
         --latent-frames 16 --size 128 --dims 2 --dims 3 --approx --out results.json
