@@ -5,6 +5,11 @@
 # size (`benchmarks.vae --device cuda`: the one-device call and diffusers' tiling).
 #
 #   scripts/gpu_check.sh [OUT_DIR]      logs go to OUT_DIR (default: a temp dir)
+#   HALOSHARD_CPU4=1 scripts/gpu_check.sh [OUT_DIR]
+#       instead: the P = 4 training steps on that machine's CPU cores, one core a rank (gloo;
+#       `benchmarks.vae --floor --floor-plus`, HunyuanVideo at 48 px and Mochi at 32 px, about
+#       6 minutes): the compute target at P = 4 without the 4-processes-on-2-cores contention
+#       of the CI machine (benchmarks/README.md, "P = 4 training on 2 cores")
 #
 # Uses the machine's own python3 and torch (PYTHON= to pick another); diffusers and what it
 # needs beyond that image can come as wheels in .whl/ (installed to a temp target first).
@@ -29,6 +34,19 @@ if [[ -n "${HALOSHARD_ALLOW_TORCH:-}" ]]; then
         src/haloshard/_compat.py
 fi
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+if [[ -n "${HALOSHARD_CPU4:-}" ]]; then
+    nproc | tee -a "$out/machine.txt"
+    export MALLOC_MMAP_THRESHOLD_=65536
+    status=0
+    for model in "hunyuan 48" "mochi 32"; do
+        set -- $model
+        timeout 280 "$python" -m benchmarks.vae --models "$1" --modes train --ranks 4 --dims 2 \
+            --latent-frames 16 --size "$2" --warmup 1 --ref-warmup 0 --floor --floor-plus \
+            --out "$out/cpu4_$1.json" 2>&1 | tee "$out/cpu4_$1.log" || status=1
+    done
+    exit $status
+fi
 
 status=0
 timeout 300 "$python" -m pytest -q -p no:cacheprovider -rs -s tests/test_cuda.py 2>&1 \
