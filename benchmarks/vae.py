@@ -412,10 +412,12 @@ class _Run:
     def __init__(self, job: dict[str, Any]) -> None:
         self.job, self.name, self.mode = job, job["name"], job["mode"]
         self.device, self.dims = job["device"], tuple(job["dims"])
-        # one device's calls on this rank's share ("plus": one latent frame longer on T)
+        # one device's calls on this rank's share ("plus": one latent frame longer on T;
+        # "alone": on one P-rank share of `coords`, in a world of one)
         self.floor = bool(job.get("floor"))
         self.vae = _model(self.name, job["config"], self.device, self.dims, not self.floor)
-        self.coords = _coords(self.device, self.dims)
+        self.coords = [tuple(c) for c in job["coords"]] if "coords" in job else _coords(
+            self.device, self.dims)
         video, latent = vae_models.shapes(self.name, job["config"], job["frames"], job["size"])
         if self.mode == "decode":
             shape = (1, vae_models.latent_channels(self.vae), *latent)
@@ -548,7 +550,8 @@ def rank_run(job: dict[str, Any]) -> dict[str, Any]:
     one-device result (P = 1: writes that result to `job["ref_dir"]`)."""
     torch.manual_seed(0)
     run = _Run(job)
-    for _ in range(job["warmup"] if dist.get_world_size() > 1 else job["ref_warmup"]):
+    for _ in range(job["warmup"] if dist.get_world_size() > 1 or run.floor
+                   else job["ref_warmup"]):
         run.run()
         run.zero_grads()
     (z, y), row = _timed(run, job.get("repeat", 1))
@@ -732,7 +735,21 @@ def _jobs(args: argparse.Namespace, ref_dir: str, p: int,
         jobs += ([{**job, "floor": True} for job in jobs] * args.floor
                  + [{**job, "floor": "plus"} for job in jobs if 2 in job["dims"]]
                  * args.floor_plus)
+    elif args.floor_alone:  # after the references: each P-rank share, one at a time
+        jobs += [{**job, "dims": dims, "floor": "alone", "of": (n, rank),
+                  "coords": _share_coords(dims, n, rank)}
+                 for job in jobs for n in sorted(set(args.ranks) - {1})
+                 for dims in _settings(args, n) if (job["name"], dims) not in refused
+                 for rank in range(n)]
     return jobs
+
+
+def _share_coords(dims: tuple[int, ...], n: int, rank: int) -> list[tuple[int, int, int]]:
+    """`_coords` of rank `rank` of a world of `n` (a `(t, h)` mesh of n/2 x 2 for T+H:
+    rank-major, as `worker_mesh` lays it out)."""
+    if len(dims) == 1:
+        return [(dims[0], n, rank)]
+    return [(2, n // 2, rank // 2), (3, 2, rank % 2)]
 
 
 def _frames(name: str, args: argparse.Namespace) -> int:
@@ -753,6 +770,8 @@ def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float,
                       "dims": list(job["dims"])}
             if job.get("floor"):
                 record["floor"] = job["floor"]
+            if "of" in job:  # "alone": rank `of[1]`'s share of P = `of[0]`, in one process
+                record["P"], record["rank"] = job["of"]
             try:
                 record["ranks"] = world.run(rank_run, job)
             except (AssertionError, TimeoutError, WorkerDied) as exc:
@@ -766,7 +785,8 @@ def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float,
 
 def _progress(record: dict[str, Any]) -> str:
     head = (f"# {record['model']} {record['mode']} P={record['P']} "
-            f"sharded {_label(record['dims'])}{_FLOOR_LABEL[record.get('floor', False)]}:")
+            f"sharded {_label(record['dims'])}{_FLOOR_LABEL[record.get('floor', False)]}"
+            f"{' rank ' + str(record['rank']) if 'rank' in record else ''}:")
     if "refused" in record:
         return f"{head} refused: {record['refused']}"
     if "error" in record:
@@ -778,7 +798,8 @@ def _progress(record: dict[str, Any]) -> str:
             f"; peak in {top['where'] or '?'}")
 
 
-_FLOOR_LABEL = {False: "", True: " (floor)", "plus": " (floor, one latent frame longer)"}
+_FLOOR_LABEL = {False: "", True: " (floor)", "plus": " (floor, one latent frame longer)",
+                "alone": " (floor alone: one device's call on one rank's share)"}
 
 
 def _dims(text: list[str]) -> tuple[int, ...]:
@@ -820,6 +841,10 @@ def _parser() -> argparse.ArgumentParser:
                              "every rank but the first (a causal model's rank after the "
                              "first owns 1 video frame more than one device's call on its "
                              "share makes): the floor bracketed from above")
+    parser.add_argument("--floor-alone", action="store_true",
+                        help="also, on one device after the reference, one device's call on "
+                             "each rank's share of each P, one at a time: the floor without "
+                             "the P processes sharing the machine")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
     parser.add_argument("--out", help="write every rank's numbers here (JSON, after each run)")
     return parser
@@ -958,15 +983,22 @@ def _table(records: list[dict[str, Any]], args: argparse.Namespace, mode: str,
     """One mode with `dims` sharded: per model, one device's row, then each P's busiest
     rank (or the plan's refusal)."""
     shown = [(kind, label) for kind, label, on in (
-        (True, "floor", args.floor), ("plus", "floor+", args.floor_plus and 2 in dims)) if on]
+        (True, "floor", args.floor), ("plus", "floor+", args.floor_plus and 2 in dims),
+        ("alone", "alone", args.floor_alone)) if on]
     header = [_HEADER[0] + "".join(f" {label}*P/one | compute/{label} |" for _, label in shown),
               _HEADER[1] + "---|---|" * len(shown)]
     lines = ["", f"{mode}, {_label(dims)} sharded:", "", *header]
     for name in args.models:
         mine = [r for r in records if r["model"] == name and r["mode"] == mode]
         one = next((r for r in mine if r["P"] == 1), None)
-        floors = {(r["P"], r["floor"]): r for r in mine
-                  if r.get("floor") and tuple(r["dims"]) == dims}
+        floors: dict[tuple[int, Any], dict[str, Any]] = {}
+        for r in mine:
+            if not r.get("floor") or tuple(r["dims"]) != dims:
+                continue
+            kept = floors.setdefault((r["P"], r["floor"]), r)
+            if kept is not r and "ranks" in kept:  # "alone": one record per rank's share
+                floors[r["P"], r["floor"]] = (
+                    {**kept, "ranks": kept["ranks"] + r["ranks"]} if "ranks" in r else r)
         lines += [_row(r, one, tuple(floors.get((r["P"], kind)) for kind, _ in shown))
                   for r in sorted(mine, key=lambda r: r["P"] or 0)
                   if not r.get("floor") and (r["P"] == 1 or tuple(r["dims"]) == dims)]

@@ -99,6 +99,30 @@ def test_every_model_every_mode(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert json.loads(out.read_text())["records"] == json.loads(json.dumps(records))
 
 
+@pytest.mark.gloo
+def test_floor_alone_runs_each_share_on_one_device(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--floor-alone`: after the reference, one process runs one device's call on each
+    rank's share of P, one share at a time: the same shares (frames and rows) as `--floor`
+    runs at once on P processes, nothing sent; its columns in the table."""
+    records = vae.main([*TINY, "--models", "hunyuan", "--modes", "decode", "train",
+                        "--ranks", "2", "--dims", "3", "--floor", "--floor-alone"])
+    for mode in ("decode", "train"):
+        mine = [r for r in records if r["mode"] == mode]
+        alone = sorted((r for r in mine if r.get("floor") == "alone"),
+                       key=lambda r: r["rank"])
+        floor = next(r for r in mine if r.get("floor") is True)
+        assert [(r["P"], r["rank"], r["dims"]) for r in alone] == [(2, 0, [3]), (2, 1, [3])]
+        for one, together in zip(alone, floor["ranks"], strict=True):
+            assert "error" not in one, one["error"]
+            (row,) = one["ranks"]
+            assert row["compute"] > 0 and row["sent"] == 0, row
+            assert (row["frames"], row["latent_frames"], row["latent_rows"]) == (
+                together["frames"], together["latent_frames"], together["latent_rows"])
+    printed = capsys.readouterr().out
+    assert "compute/floor | alone*P/one | compute/alone |" in printed
+    assert "(floor alone: one device's call on one rank's share) rank 1:" in printed
+
+
 def test_repeats_keep_the_fastest_time_and_the_highest_peak() -> None:
     """`--repeat`: compute and wall from the fastest run, the peak (and where) from the
     highest."""
