@@ -61,12 +61,16 @@ size on this machine) and `compute/floor` (what the busiest rank pays beyond it)
 rank after the first: a causal model's rank after the first owns `k t` video frames of its
 `k` latent frames, one device's call on them makes `1 + (k - 1) t`, so the floor
 under-counts that rank's work and this one (`1 + k t`) over-counts it by a frame; its
-columns `floor+*P/one` and `compute/floor+`. With `--approx`, on one device:
-`enable_tiling()` with two spatial tiles per axis (stride half the clip's side, tiles a
-quarter of a stride longer: smaller than the clip, so tiling happens), and temporal tiles
-of half the clip where the model has them (HunyuanVideo: its default; LTX), for decode and
-encode: time, peak, and the error against the exact result (max abs, PSNR over the exact
-result's range).
+columns `floor+*P/one` and `compute/floor+`. `--floor-alone` adds, in the one-device world
+after the reference, one device's call on each rank's share of each P, one share at a
+time: the floor without the P processes sharing the machine's cores and memory bandwidth
+(`alone*P/one`: what the model's own kernels cost the busiest share alone; its ratio to
+`floor*P/one`, what sharing this machine costs every formulation). With `--approx`, on one
+device: `enable_tiling()` with two spatial tiles per axis (stride half the clip's side,
+tiles a quarter of a stride longer: smaller than the clip, so tiling happens), and
+temporal tiles of half the clip where the model has them (HunyuanVideo: its default; LTX),
+for decode and encode: time, peak, and the error against the exact result (max abs, PSNR
+over the exact result's range).
 
     python -m benchmarks.vae --models hunyuan wan --modes decode train --ranks 1 2 4 \\
         --latent-frames 16 --size 128 --dims 2 --dims 3 --approx --out results.json
