@@ -65,12 +65,12 @@ columns `floor+*P/one` and `compute/floor+`. `--floor-alone` adds, in the one-de
 after the reference, one device's call on each rank's share of each P, one share at a
 time: the floor without the P processes sharing the machine's cores and memory bandwidth
 (`alone*P/one`: what the model's own kernels cost the busiest share alone; its ratio to
-`floor*P/one`, what sharing this machine costs every formulation). With `--approx`, on one
-device: `enable_tiling()` with two spatial tiles per axis (stride half the clip's side,
-tiles a quarter of a stride longer: smaller than the clip, so tiling happens), and
-temporal tiles of half the clip where the model has them (HunyuanVideo: its default; LTX),
-for decode and encode: time, peak, and the error against the exact result (max abs, PSNR
-over the exact result's range).
+`floor*P/one`, what sharing this machine costs every formulation, up to its drift between
+the two worlds). With `--approx`, on one device: `enable_tiling()` with two spatial tiles
+per axis (stride half the clip's side, tiles a quarter of a stride longer: smaller than
+the clip, so tiling happens), and temporal tiles of half the clip where the model has them
+(HunyuanVideo: its default; LTX), for decode and encode: time, peak, and the error against
+the exact result (max abs, PSNR over the exact result's range).
 
     python -m benchmarks.vae --models hunyuan wan --modes decode train --ranks 1 2 4 \\
         --latent-frames 16 --size 128 --dims 2 --dims 3 --approx --out results.json
