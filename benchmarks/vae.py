@@ -66,11 +66,15 @@ after the reference, one device's call on each rank's share of each P, one share
 time: the floor without the P processes sharing the machine's cores and memory bandwidth
 (`alone*P/one`: what the model's own kernels cost the busiest share alone; its ratio to
 `floor*P/one`, what sharing this machine costs every formulation, up to its drift between
-the two worlds). With `--approx`, on one device: `enable_tiling()` with two spatial tiles
-per axis (stride half the clip's side, tiles a quarter of a stride longer: smaller than
-the clip, so tiling happens), and temporal tiles of half the clip where the model has them
-(HunyuanVideo: its default; LTX), for decode and encode: time, peak, and the error against
-the exact result (max abs, PSNR over the exact result's range).
+the two worlds). `--paired` adds, right after each sharded run, one device's call on the
+whole input on rank 0 of the same world, the other ranks waiting (`paired/one`: its time
+over the reference world's, the machine's drift between them; `compute*P/paired`: the
+compute target's ratio against it, the two timed minutes rather than worlds apart). With
+`--approx`, on one device: `enable_tiling()` with two spatial tiles per axis (stride half
+the clip's side, tiles a quarter of a stride longer: smaller than the clip, so tiling
+happens), and temporal tiles of half the clip where the model has them (HunyuanVideo: its
+default; LTX), for decode and encode: time, peak, and the error against the exact result
+(max abs, PSNR over the exact result's range).
 
     python -m benchmarks.vae --models hunyuan wan --modes decode train --ranks 1 2 4 \\
         --latent-frames 16 --size 128 --dims 2 --dims 3 --approx --out results.json
@@ -352,7 +356,10 @@ def _model(name: str, config: str, device: str, dims: tuple[int, ...], planned: 
     if _CACHE.get("key") != key:
         _CACHE.pop("vae", None)
         gc.collect()
-        mesh = _mesh(device, dims) if dist.get_world_size() > 1 else None  # sets the GPU
+        # the mesh (a collective on every rank; on CUDA it sets the GPU) for a planned model:
+        # a plain one may be built on one rank alone (`--paired`)
+        mesh = (_mesh(device, dims) if dist.get_world_size() > 1 and (planned or device == "cuda")
+                else None)
         vae = vae_models.build(name, config).to(device)
         if mesh is not None and planned:
             parallelize_module(vae, mesh[_AXES[dims][0]], vae_models.plan(vae, dims))
@@ -417,7 +424,8 @@ class _Run:
         self.job, self.name, self.mode = job, job["name"], job["mode"]
         self.device, self.dims = job["device"], tuple(job["dims"])
         # one device's calls on this rank's share ("plus": one latent frame longer on T;
-        # "alone": on one P-rank share of `coords`, in a world of one)
+        # "alone": on one P-rank share of `coords`, in a world of one; "one": on the whole
+        # input, `coords` empty, on rank 0 of the P-rank world)
         self.floor = bool(job.get("floor"))
         self.vae = _model(self.name, job["config"], self.device, self.dims, not self.floor)
         self.coords = [tuple(c) for c in job["coords"]] if "coords" in job else _coords(
@@ -510,11 +518,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _measure(step: Callable[[], Any], device: str, model: nn.Module
+def _measure(step: Callable[[], Any], device: str, model: nn.Module, together: bool = True
              ) -> tuple[Any, dict[str, Any]]:
-    """`step()` once: its result, peak bytes (and where), compute and wall seconds, bytes
-    sent."""
-    dist.barrier()
+    """`step()` once (`together`: every rank of the world starts it at once): its result,
+    peak bytes (and where), compute and wall seconds, bytes sent."""
+    if together:
+        dist.barrier()
     with module_scopes(model), peak_bytes(device) as peak, bytes_sent() as sent, \
             counted_collectives(by_dtype=True) as calls:
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -541,17 +550,24 @@ def _fastest(row: dict[str, Any], again: dict[str, Any]) -> dict[str, Any]:
 def _timed(run: _Run, repeat: int) -> tuple[Any, dict[str, Any]]:
     """`run.run()` measured `repeat` times: the last result, and the fastest time with the
     highest peak (`_fastest`)."""
-    out, row = _measure(run.run, run.device, run.vae)
+    alone = run.job.get("floor") == "one"  # rank 0 only: no barrier with the others
+    out, row = _measure(run.run, run.device, run.vae, not alone)
     for _ in range(repeat - 1):
         run.zero_grads()
-        out, again = _measure(run.run, run.device, run.vae)
+        out, again = _measure(run.run, run.device, run.vae, not alone)
         row = _fastest(row, again)
     return out, row
 
 
-def rank_run(job: dict[str, Any]) -> dict[str, Any]:
+def rank_run(job: dict[str, Any]) -> dict[str, Any] | None:
     """One model in one mode on this rank: its measurements and its difference to the
     one-device result (P = 1: writes that result to `job["ref_dir"]`)."""
+    if job.get("floor") == "one" and dist.get_rank() != 0:
+        # rank 0 alone runs one device's call, which replaces its model; the others drop
+        # theirs too, so that every rank builds (and agrees) the next one afresh
+        _CACHE.pop("vae", None)
+        _CACHE.pop("key", None)
+        return None
     torch.manual_seed(0)
     run = _Run(job)
     for _ in range(job["warmup"] if dist.get_world_size() > 1 or run.floor
@@ -735,10 +751,13 @@ def _jobs(args: argparse.Namespace, ref_dir: str, p: int,
                  "approx": args.approx, "ref_dir": ref_dir}
                 for mode in args.modes]
     if p > 1:
+        # each sharded run then its paired one-device run, minutes apart at most
+        jobs = [run for job in jobs
+                for run in [job, *[{**job, "floor": "one", "coords": []}] * args.paired]]
         # after the sharded runs: their models are built once, then the plain ones
-        jobs += ([{**job, "floor": True} for job in jobs] * args.floor
-                 + [{**job, "floor": "plus"} for job in jobs if 2 in job["dims"]]
-                 * args.floor_plus)
+        jobs += ([{**job, "floor": True} for job in jobs if not job.get("floor")] * args.floor
+                 + [{**job, "floor": "plus"} for job in jobs
+                    if 2 in job["dims"] and not job.get("floor")] * args.floor_plus)
     elif args.floor_alone:  # after the references: each P-rank share, one at a time
         jobs += [{**job, "dims": dims, "floor": "alone", "of": (n, rank),
                   "coords": _share_coords(dims, n, rank)}
@@ -777,7 +796,7 @@ def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float,
             if "of" in job:  # "alone": rank `of[1]`'s share of P = `of[0]`, in one process
                 record["P"], record["rank"] = job["of"]
             try:
-                record["ranks"] = world.run(rank_run, job)
+                record["ranks"] = [row for row in world.run(rank_run, job) if row is not None]
             except (AssertionError, TimeoutError, WorkerDied) as exc:
                 record["error"] = str(exc)[-2000:]
                 if not world.alive:
@@ -803,7 +822,8 @@ def _progress(record: dict[str, Any]) -> str:
 
 
 _FLOOR_LABEL = {False: "", True: " (floor)", "plus": " (floor, one latent frame longer)",
-                "alone": " (floor alone: one device's call on one rank's share)"}
+                "alone": " (floor alone: one device's call on one rank's share)",
+                "one": " (paired: one device's call on the whole input, on rank 0)"}
 
 
 def _dims(text: list[str]) -> tuple[int, ...]:
@@ -849,6 +869,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="also, on one device after the reference, one device's call on "
                              "each rank's share of each P, one at a time: the floor without "
                              "the P processes sharing the machine")
+    parser.add_argument("--paired", action="store_true",
+                        help="also, right after each sharded run, one device's call on the "
+                             "whole input on rank 0 of the same world (the others waiting): "
+                             "the compute ratio against a reference timed minutes, not a "
+                             "world, apart")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
     parser.add_argument("--out", help="write every rank's numbers here (JSON, after each run)")
     return parser
@@ -918,9 +943,9 @@ def _where(row: dict[str, Any]) -> str:
 
 
 def _row(record: dict[str, Any], one: dict[str, Any] | None,
-         floors: tuple[dict[str, Any] | None, ...] = ()) -> str:
-    """A table row; per entry of `floors` (a floor's record, or None where it has none),
-    its two columns (`_floor_cells`) after it."""
+         floors: tuple[tuple[Any, dict[str, Any] | None], ...] = ()) -> str:
+    """A table row; per entry of `floors` (a floor's kind and record, or None where it has
+    none), its two columns (`_floor_cells`) after it."""
     head, gap = f"| {record['model']} | {record['P'] or '-'} |", "||" * len(floors)
     if "refused" in record:
         return f"{head} refused: {record['refused'][:300]} ||||||||||{gap}"
@@ -941,7 +966,8 @@ def _row(record: dict[str, Any], one: dict[str, Any] | None,
             f"{max(r['wall'] for r in ranks):.2f} | "
             f"{max(r['sent'] for r in ranks) / MiB:.2f}{_agreed(ranks)} | "
             f"{max(r['diff'] for r in ranks):.1e} ({max(r['rel'] for r in ranks):.0e}) | "
-            f"{_where(top)} |{''.join(_floor_cells(compute, p, one, f) for f in floors)}")
+            f"{_where(top)} |"
+            f"{''.join(_floor_cells(compute, p, one, f, k) for k, f in floors)}")
 
 
 def _agreed(ranks: list[dict[str, Any]]) -> str:
@@ -952,14 +978,18 @@ def _agreed(ranks: list[dict[str, Any]]) -> str:
 
 
 def _floor_cells(compute: float, p: int, one: dict[str, Any] | None,
-                 floor: dict[str, Any] | None) -> str:
+                 floor: dict[str, Any] | None, kind: Any = True) -> str:
     """`floor*P/one` and `compute/floor`: the busiest rank's compute bound by the model
     itself (one device's calls on each rank's share at once, `--floor`) and the busiest
-    rank's compute over it."""
+    rank's compute over it. For the paired one-device run (`kind` "one"), `paired/one`
+    (its time over the reference world's: the machine's drift between them) and
+    `compute*P/paired` (the compute target's ratio against it)."""
     if p == 1 or floor is None or "ranks" not in floor or one is None or "ranks" not in one:
         return " - | - |"
     least = max(r["compute"] for r in floor["ranks"])
     base = max(r["compute"] for r in one["ranks"])
+    if kind == "one":
+        return f" {least / base:.3f} | {compute * p / least:.3f} |"
     return f" {least * p / base:.3f} | {compute / least:.3f} |"
 
 
@@ -987,10 +1017,13 @@ def _table(records: list[dict[str, Any]], args: argparse.Namespace, mode: str,
     """One mode with `dims` sharded: per model, one device's row, then each P's busiest
     rank (or the plan's refusal)."""
     shown = [(kind, label) for kind, label, on in (
-        (True, "floor", args.floor), ("plus", "floor+", args.floor_plus and 2 in dims),
+        ("one", "paired", args.paired), (True, "floor", args.floor),
+        ("plus", "floor+", args.floor_plus and 2 in dims),
         ("alone", "alone", args.floor_alone)) if on]
-    header = [_HEADER[0] + "".join(f" {label}*P/one | compute/{label} |" for _, label in shown),
-              _HEADER[1] + "---|---|" * len(shown)]
+    header = [_HEADER[0] + "".join(
+        " paired/one | compute*P/paired |" if kind == "one"
+        else f" {label}*P/one | compute/{label} |" for kind, label in shown),
+        _HEADER[1] + "---|---|" * len(shown)]
     lines = ["", f"{mode}, {_label(dims)} sharded:", "", *header]
     for name in args.models:
         mine = [r for r in records if r["model"] == name and r["mode"] == mode]
@@ -1003,7 +1036,7 @@ def _table(records: list[dict[str, Any]], args: argparse.Namespace, mode: str,
             if kept is not r and "ranks" in kept:  # "alone": one record per rank's share
                 floors[r["P"], r["floor"]] = (
                     {**kept, "ranks": kept["ranks"] + r["ranks"]} if "ranks" in r else r)
-        lines += [_row(r, one, tuple(floors.get((r["P"], kind)) for kind, _ in shown))
+        lines += [_row(r, one, tuple((kind, floors.get((r["P"], kind))) for kind, _ in shown))
                   for r in sorted(mine, key=lambda r: r["P"] or 0)
                   if not r.get("floor") and (r["P"] == 1 or tuple(r["dims"]) == dims)]
     return lines

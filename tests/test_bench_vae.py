@@ -123,6 +123,29 @@ def test_floor_alone_runs_each_share_on_one_device(capsys: pytest.CaptureFixture
     assert "(floor alone: one device's call on one rank's share) rank 1:" in printed
 
 
+@pytest.mark.gloo
+def test_paired_runs_one_device_beside_each_sharded_run(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`--paired`: right after each sharded run, rank 0 of the same world runs one device's
+    call on the whole input (the other ranks wait, nothing sent), and the next sharded run
+    (every rank's model rebuilt) is still exact; its columns in the table."""
+    records = vae.main([*TINY, "--models", "hunyuan", "--modes", "train", "decode",
+                        "--ranks", "2", "--dims", "2", "--paired"])
+    assert [(r["mode"], r["P"], r.get("floor")) for r in records] == [
+        ("train", 1, None), ("decode", 1, None), ("train", 2, None), ("train", 2, "one"),
+        ("decode", 2, None), ("decode", 2, "one")]
+    for record in records:
+        assert "error" not in record, record["error"]
+        if record.get("floor") == "one":
+            one = next(r for r in records if r["mode"] == record["mode"] and r["P"] == 1)
+            (row,) = record["ranks"]  # rank 0's alone
+            assert row["sent"] == 0 and row["compute"] > 0, row
+            assert row["frames"] == one["ranks"][0]["frames"], (row, one)
+        elif record["P"] == 2:
+            assert all(row["rel"] <= REL_TOL[record["mode"]] for row in record["ranks"])
+    assert "paired/one | compute*P/paired |" in capsys.readouterr().out
+
+
 def test_repeats_keep_the_fastest_time_and_the_highest_peak() -> None:
     """`--repeat`: compute and wall from the fastest run, the peak (and where) from the
     highest."""
@@ -139,12 +162,12 @@ def test_repeat_times_each_case_that_often(monkeypatch: pytest.MonkeyPatch) -> N
     args = vae._args([*TINY, "--ranks", "2", "--repeat", "3", "--floor"])
     assert {job["repeat"] for job in vae._jobs(args, "/tmp", 2, {})} == {3}
     times = iter([3.0, 1.0, 2.0])
-    monkeypatch.setattr(vae, "_measure", lambda step, device, model: (
+    monkeypatch.setattr(vae, "_measure", lambda step, device, model, together: (
         step(), {"compute": next(times), "wall": 1.0, "act": 1, "where": "", "largest": []}))
     calls = {"run": 0, "zero": 0}
 
     class Run:
-        device, vae = "cpu", None
+        device, vae, job = "cpu", None, {"name": "hunyuan"}
 
         def run(self) -> int:
             calls["run"] += 1
