@@ -751,14 +751,14 @@ def _jobs(args: argparse.Namespace, ref_dir: str, p: int,
                  "approx": args.approx, "ref_dir": ref_dir}
                 for mode in args.modes]
     if p > 1:
-        # each sharded run then its paired one-device run, minutes apart at most
-        jobs = [run for job in jobs
-                for run in [job, *[{**job, "floor": "one", "coords": []}] * args.paired]]
-        # after the sharded runs: their models are built once, then the plain ones
-        jobs += ([{**job, "floor": True} for job in jobs if not job.get("floor")] * args.floor
-                 + [{**job, "floor": "plus"} for job in jobs
-                    if 2 in job["dims"] and not job.get("floor")] * args.floor_plus)
-    elif args.floor_alone:  # after the references: each P-rank share, one at a time
+        # each sharded run then its paired one-device run, minutes apart at most; after
+        # them the floors: the sharded models are built once, then the plain ones
+        return ([run for job in jobs
+                 for run in [job, *[{**job, "floor": "one", "coords": []}] * args.paired]]
+                + [{**job, "floor": True} for job in jobs] * args.floor
+                + [{**job, "floor": "plus"} for job in jobs if 2 in job["dims"]]
+                * args.floor_plus)
+    if args.floor_alone:  # after the references: each P-rank share, one at a time
         jobs += [{**job, "dims": dims, "floor": "alone", "of": (n, rank),
                   "coords": _share_coords(dims, n, rank)}
                  for job in jobs for n in sorted(set(args.ranks) - {1})
@@ -808,7 +808,8 @@ def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float,
 
 def _progress(record: dict[str, Any]) -> str:
     head = (f"# {record['model']} {record['mode']} P={record['P']} "
-            f"sharded {_label(record['dims'])}{_FLOOR_LABEL[record.get('floor', False)]}"
+            f"sharded {_label(record['dims'])}"
+            f"{_FLOORS[record['floor']][1] if 'floor' in record else ''}"
             f"{' rank ' + str(record['rank']) if 'rank' in record else ''}:")
     if "refused" in record:
         return f"{head} refused: {record['refused']}"
@@ -821,9 +822,14 @@ def _progress(record: dict[str, Any]) -> str:
             f"; peak in {top['where'] or '?'}")
 
 
-_FLOOR_LABEL = {False: "", True: " (floor)", "plus": " (floor, one latent frame longer)",
-                "alone": " (floor alone: one device's call on one rank's share)",
-                "one": " (paired: one device's call on the whole input, on rank 0)"}
+# Each run beside the sharded one (a record's "floor"): the flag that asks for it, its
+# label in the progress lines and its name in the table's columns, in column order.
+_FLOORS: dict[Any, tuple[str, str, str]] = {
+    "one": ("paired", " (paired: one device's call on the whole input, on rank 0)", "paired"),
+    True: ("floor", " (floor)", "floor"),
+    "plus": ("floor_plus", " (floor, one latent frame longer)", "floor+"),
+    "alone": ("floor_alone", " (floor alone: one device's call on one rank's share)", "alone"),
+}
 
 
 def _dims(text: list[str]) -> tuple[int, ...]:
@@ -1016,10 +1022,8 @@ def _table(records: list[dict[str, Any]], args: argparse.Namespace, mode: str,
            dims: tuple[int, ...]) -> list[str]:
     """One mode with `dims` sharded: per model, one device's row, then each P's busiest
     rank (or the plan's refusal)."""
-    shown = [(kind, label) for kind, label, on in (
-        ("one", "paired", args.paired), (True, "floor", args.floor),
-        ("plus", "floor+", args.floor_plus and 2 in dims),
-        ("alone", "alone", args.floor_alone)) if on]
+    shown = [(kind, label) for kind, (flag, _, label) in _FLOORS.items()
+             if getattr(args, flag) and (kind != "plus" or 2 in dims)]
     header = [_HEADER[0] + "".join(
         " paired/one | compute*P/paired |" if kind == "one"
         else f" {label}*P/one | compute/{label} |" for kind, label in shown),
@@ -1028,18 +1032,23 @@ def _table(records: list[dict[str, Any]], args: argparse.Namespace, mode: str,
     for name in args.models:
         mine = [r for r in records if r["model"] == name and r["mode"] == mode]
         one = next((r for r in mine if r["P"] == 1), None)
-        floors: dict[tuple[int, Any], dict[str, Any]] = {}
+        groups: dict[tuple[int, Any], list[dict[str, Any]]] = {}
         for r in mine:
-            if not r.get("floor") or tuple(r["dims"]) != dims:
-                continue
-            kept = floors.setdefault((r["P"], r["floor"]), r)
-            if kept is not r and "ranks" in kept:  # "alone": one record per rank's share
-                floors[r["P"], r["floor"]] = (
-                    {**kept, "ranks": kept["ranks"] + r["ranks"]} if "ranks" in r else r)
+            if r.get("floor") and tuple(r["dims"]) == dims:
+                groups.setdefault((r["P"], r["floor"]), []).append(r)
+        floors = {key: _merged(group) for key, group in groups.items()}
         lines += [_row(r, one, tuple((kind, floors.get((r["P"], kind))) for kind, _ in shown))
                   for r in sorted(mine, key=lambda r: r["P"] or 0)
                   if not r.get("floor") and (r["P"] == 1 or tuple(r["dims"]) == dims)]
     return lines
+
+
+def _merged(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One floor's records as one (`--floor-alone` has one per rank's share): every rank's
+    row, or the first that failed."""
+    failed = [r for r in records if "ranks" not in r]
+    return failed[0] if failed else {**records[0],
+                                     "ranks": [row for r in records for row in r["ranks"]]}
 
 
 def tables(records: list[dict[str, Any]], args: argparse.Namespace) -> str:

@@ -47,8 +47,6 @@ def _expected() -> list[torch.Tensor]:
     return [a.grad + b.grad for a, b in zip(*(m.parameters() for m in models), strict=True)]
 
 
-
-
 def bucketed(cap_mb: float) -> dict[str, Any]:
     rank, mesh = dist.get_rank(), worker_mesh(2)
     model = _model()

@@ -218,8 +218,6 @@ def dist_world() -> int:
     return dist.get_world_size()
 
 
-
-
 @pytest.fixture(scope="module")
 def gloo3() -> Any:
     from haloshard.testing import GlooWorld

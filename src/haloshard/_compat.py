@@ -210,9 +210,7 @@ onednn_convolution = torch.ops.aten.mkldnn_convolution
 
 # The kind of a profiler record that is an allocation or a free (`testing.peak_bytes` sums
 # them from the profiler's event tree).
-from torch._C._profiler import _EventType
-
-ALLOCATION_EVENT = _EventType.Allocation
+ALLOCATION_EVENT = torch._C._profiler._EventType.Allocation
 
 # The autograd node whose backward is running (None outside backward): `_dtensor_ops` knows
 # by it that a cat is torch's own in a split's backward.
