@@ -785,7 +785,10 @@ def _frames(name: str, args: argparse.Namespace) -> int:
 def _run_world(p: int, jobs: list[dict[str, Any]], timeout: float,
                done: Callable[[dict[str, Any]], None]) -> None:
     """Every job on one world of P ranks, each record handed to `done`; a job that fails
-    is recorded (the world is restarted if it timed out or a worker died)."""
+    is recorded (the world is restarted if it timed out or a worker died). No jobs: no
+    world."""
+    if not jobs:
+        return
     world = GlooWorld(p, timeout=timeout, pg_timeout=timeout)
     try:
         for job in jobs:

@@ -1,8 +1,9 @@
 """diffusers 0.42.1 video VAEs sharded on H, and on T and H at once (`plan_for(vae,
 dims=...)`), against one device.
 
-Tiny random-init instances (tests/test_diffusers.py's, LTX-Video with `patch_size=1`, the
-only patch size that keeps rows apart). Each part runs forward and backward with a fixed
+Tiny random-init instances (tests/test_diffusers.py's; LTX-Video with `patch_size=1` and
+with its default 4, whose patchify and unpatchify DTensor's own reshape and flatten run on
+each rank's rows). Each part runs forward and backward with a fixed
 random cotangent; the output, the input gradient and every parameter gradient (summed over
 the ranks of every sharded axis by `reduce_grads`) are compared with one device's.
 
@@ -74,6 +75,17 @@ def ltx() -> nn.Module:
         return vae.double().eval()
 
 
+def ltx_patched() -> nn.Module:
+    from diffusers import AutoencoderKLLTXVideo
+
+    with single_device():  # LTX-Video 0.9.0's configuration, 8 channels, its patch 4
+        torch.manual_seed(0)
+        vae = AutoencoderKLLTXVideo(
+            latent_channels=4, block_out_channels=(8,) * 4, decoder_block_out_channels=(8,) * 4,
+            layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 5)
+        return vae.double().eval()
+
+
 def ltx_residual() -> nn.Module:
     from diffusers import AutoencoderKLLTXVideo
 
@@ -114,7 +126,8 @@ def cogvideox() -> nn.Module:
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "cogvideox": cogvideox,
-    "hunyuan": hunyuan, "ltx": ltx, "ltx_residual": ltx_residual, "mochi": mochi}
+    "hunyuan": hunyuan, "ltx": ltx, "ltx_patched": ltx_patched, "ltx_residual": ltx_residual,
+    "mochi": mochi}
 
 
 @contextmanager
@@ -186,6 +199,10 @@ ROWS = [
     ("hunyuan", "decoder", 4, (1, 4, 3, 3, 2)),  # 1, 1, 1, 0: an empty shard all the way
     ("ltx", "encoder", 3, (1, 3, 9, 16, 8)),  # 6, 5, 5 -> stride 2: 3, 3, 2 -> ...
     ("ltx", "decoder", 4, (1, 4, 3, 3, 2)),  # 1, 1, 1, 0 -> depth-to-space x2: 2, 2, 2, 0
+    # patch 4: 16 rows, 2 patches a rank -> 1, 1 -> 1, 0 (empty) after the downsamplers
+    ("ltx_patched", "encoder", 2, (1, 3, 9, 16, 8)),
+    # 2, 1 latent rows -> x 8 (upsamplers): 16, 8 -> unpatchify x 4: 64, 32
+    ("ltx_patched", "decoder", 2, (1, 4, 3, 3, 2)),
     ("ltx_residual", "decoder", 2, (1, 4, 3, 3, 2)),  # 2, 1; residual upsamplers
     # 6, 5, 5 -> 3, 3, 2 -> 2, 1, 1 -> 1, 1, 0: attention along T per pixel, on the rows
     ("mochi", "encoder", 3, (1, 3, 7, 16, 8)),
@@ -210,7 +227,14 @@ TIMESTEP_TOL = {"atol": 1e-3, "rtol": 1e-3}
 
 
 @pytest.mark.simulated
-def test_ltx_timestep_rows_simulated() -> None:
+@pytest.mark.parametrize(("patch", "world", "shape"), [
+    (1, 3, (1, 4, 3, 3, 2)),  # 1, 1, 1 latent rows
+    # one latent row on two ranks (1, 0): beside a per-sample table DTensor returns its
+    # products replicated, which ReplicatedArgsParallel cuts back to Shard(3)
+    (1, 2, (1, 4, 3, 1, 2)),
+    (4, 2, (1, 4, 3, 3, 2)),  # patch 4: 2, 1 latent rows -> 16, 8 -> 64, 32 pixel rows
+])
+def test_ltx_timestep_rows_simulated(patch: int, world: int, shape: tuple[int, ...]) -> None:
     """LTX-Video's timestep-conditioned decoder (`ReplicatedArgsParallel(dim=3)` on the
     decoder and its resnets) with H sharded, the decode timestep a plain tensor."""
     from diffusers import AutoencoderKLLTXVideo
@@ -222,11 +246,10 @@ def test_ltx_timestep_rows_simulated() -> None:
             decoder_block_out_channels=(8, 16, 32), decoder_layers_per_block=(1,) * 4,
             decoder_spatio_temporal_scaling=(True,) * 3, decoder_inject_noise=(False,) * 4,
             upsample_residual=(True,) * 3, upsample_factor=(2,) * 3,
-            timestep_conditioning=True, patch_size=1).double().eval().decoder
+            timestep_conditioning=True, patch_size=patch).double().eval().decoder
     temb = torch.tensor([0.05], dtype=torch.float64)
-    with simulated_mesh(3) as mesh, _rms_in_input_dtype():
-        check(mesh, dec, plan_for(dec, dims=(3,)), seeded_randn((1, 4, 3, 3, 2), 1,
-                                                               torch.float64),
+    with simulated_mesh(world) as mesh, _rms_in_input_dtype():
+        check(mesh, dec, plan_for(dec, dims=(3,)), seeded_randn(shape, 1, torch.float64),
               [Shard(3)], TIMESTEP_TOL, run=lambda m, z: m(z, temb))
 
 
@@ -250,6 +273,8 @@ def test_cogvideox_loop_rows_simulated(part: str, shape: tuple[int, ...]) -> Non
 @pytest.mark.parametrize(("name", "part", "shape"), [
     ("ltx", "encoder", (1, 3, 9, 16, 8)),  # 5, 4 frames x 8, 8 rows
     ("ltx", "encoder", (1, 3, 5, 6, 4)),  # 3, 2 x 3, 3 -> 2, 1 x 2, 1 -> 1, 0 x 1, 0
+    ("ltx_patched", "encoder", (1, 3, 9, 32, 8)),  # 5, 4 frames x 16, 16 rows: 4, 4 patches
+    ("ltx_patched", "decoder", (1, 4, 3, 3, 2)),  # 2, 1 x 2, 1 -> 16, 8 -> 64, 32 rows
     # 2, 1 x 2, 1: the upsamplers on windows of frames and of rows (conv, depth-to-space)
     ("ltx", "decoder", (1, 4, 3, 3, 2)),
     ("ltx_residual", "decoder", (1, 4, 3, 3, 2)),
@@ -332,16 +357,30 @@ def test_dims_checked() -> None:
     for bad in ((4,), (3, 2), 3, (2, 2)):
         with pytest.raises(HaloError, match=r"plan_for takes dims=\(2,\).*got dims="):
             plan_for(vae, dims=bad)  # type: ignore[arg-type]
-    from diffusers import AutoencoderKLLTXVideo
-
-    with single_device():
-        patched = AutoencoderKLLTXVideo(
-            latent_channels=4, block_out_channels=(8,) * 4,
-            decoder_block_out_channels=(8,) * 4, layers_per_block=(1,) * 5,
-            decoder_layers_per_block=(1,) * 5)  # patch_size 4
-    with pytest.raises(HaloError, match=r"^encoder \(LTXVideoEncoder3d\): .*patch_size=4"):
-        plan_for(patched, dims=(3,))
     assert repr(plan_for(vae)) == repr(plan_for(vae, dims=[2]))  # (2,): today's plan
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize(("part", "world", "shape", "message"), [
+    # 12 rows over 2 ranks: 6 a rank, not whole patches of 4
+    ("encoder", 2, (1, 3, 9, 12, 8), r"^<root> \(LTXVideoEncoder3d\): .*patch_size=4 rows .*"
+     r"over 2 ranks.*H a multiple of patch_size x ranks = 8; got H = 12"),
+    # 5 latent rows x 8 over 3 ranks
+    ("decoder", 3, (1, 4, 3, 5, 2), r"^conv_in \(LTXVideoCausalConv3d\): LTXVideoDecoder3d "
+     r"unfolds patch_size=4 rows .*\(8 rows a latent row\).*over 3 ranks.*a multiple of 3; "
+     r"got 5 latent rows"),
+])
+def test_patch_rows_checked_simulated(part: str, world: int, shape: tuple[int, ...],
+                                      message: str) -> None:
+    """LTX-Video's patchify and unpatchify with H sharded: rows that DTensor's reshape or
+    flatten cannot keep on their rank (it raises a RuntimeError of its own there) raise
+    `HaloError` naming them before the module runs."""
+    module = getattr(ltx_patched(), part)
+    with simulated_mesh(world) as mesh:
+        parallelize_module(module, mesh, plan_for(module, dims=(3,)))
+        x = distribute_tensor(seeded_randn(shape, 1, torch.float64), mesh, [Shard(3)])
+        with pytest.raises(HaloError, match=message):
+            module(x)
 
 
 # ---------------------------------------------------------------- inference keeps nothing
@@ -424,6 +463,8 @@ def on_gloo(dims: tuple[int, ...]) -> None:
         mesh = worker_mesh(world)
         case(mesh, "hunyuan", "decoder", (1, 4, 3, 3, 2), dims)  # 2, 1 rows (1, 1, 1, 0)
         case(worker_mesh(world), "ltx", "decoder", (1, 4, 3, 3, 2), dims)
+        # patch 4: DTensor's reshape and flatten on real ranks' rows
+        case(worker_mesh(world), "ltx_patched", "encoder", (1, 3, 9, 16, 8), dims)
     else:
         mesh = worker_mesh((world // 2, 2), mesh_dim_names=("t", "h"))
         case(mesh, "ltx", "encoder", (1, 3, 5, 6, 4), dims)  # 3, 2 frames x 3, 3 rows

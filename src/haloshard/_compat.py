@@ -199,6 +199,7 @@ def dist_reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, *, gro
 # Pytrees: the arguments of an op that a torch function mode sees (ReplicatedArgsParallel).
 tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
+tree_map = _pytree.tree_map
 
 # The kernel torch's `aten.convolution` picks for given sizes, dtype and device, and the
 # kernels of its slow conv3d paths on CPU (`_conv` runs such a window's conv as conv2ds).

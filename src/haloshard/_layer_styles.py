@@ -51,6 +51,7 @@ from haloshard._compat import (
     local_tensors,
     maybe_run_for_local_tensor,
     tree_flatten,
+    tree_map,
     tree_unflatten,
 )
 from haloshard._conv import with_spare_slice
@@ -1296,8 +1297,7 @@ class _AsReplicate(torch.autograd.Function):
         local = _diagonal(grad.to_local())
         if any(p.is_partial() for p in grad.placements):
             return local, None
-        first = all(ctx.mesh.get_local_rank(a) == 0 for a in range(ctx.mesh.ndim))
-        return _on_first(local, first), None
+        return _on_first(local, *(ctx.mesh.get_local_rank(a) for a in range(ctx.mesh.ndim))), None
 
 
 def _diagonal(t: torch.Tensor) -> torch.Tensor:
@@ -1311,8 +1311,11 @@ def _diagonal(t: torch.Tensor) -> torch.Tensor:
 
 
 @maybe_run_for_local_tensor
-def _on_first(t: torch.Tensor, first: bool) -> torch.Tensor:
-    return t if first else torch.zeros_like(t)
+@maybe_run_for_local_tensor
+def _on_first(t: torch.Tensor, *coordinates: int) -> torch.Tensor:
+    """`t` on the mesh's first rank (every coordinate 0), zeros on the others; per rank
+    under simulated ranks (whose coordinates differ by rank)."""
+    return t if all(c == 0 for c in coordinates) else torch.zeros_like(t)
 
 
 class _Replicating(TorchFunctionMode):
@@ -1339,7 +1342,23 @@ class _Replicating(TorchFunctionMode):
                         "per-sample tensors (size 1 along it), or pass it as a DTensor")
             flat = [_AsReplicate.apply(t, dt.device_mesh) if _plain(t) else t for t in flat]
             args, kwargs = tree_unflatten(flat, spec)
+            return tree_map(lambda y: _resharded(y, dt, self.dim), func(*args, **kwargs))
         return func(*args, **kwargs)
+
+
+def _resharded(y: Any, dt: DTensor, dim: int) -> Any:
+    """`y` (an op's output) with `dt`'s placements where DTensor returned it replicated
+    along `dim`. DTensor shards an op's output along a dim only where every operand can
+    be: with fewer slices along `dim` than ranks (a chunk empty: one latent row on two
+    ranks), a per-sample tensor taken as replicated (one slice along it) cannot be, so
+    DTensor gathers the input and returns `Replicate()`, which the next halo layer
+    refuses. Its rows are cut back to `dt`'s layout: a local slice, no communication."""
+    if (isinstance(y, DTensor) and y.ndim == dt.ndim and y.shape[dim] == dt.shape[dim]
+            and y.placements != dt.placements
+            and all(p == q or isinstance(p, Replicate)
+                    for p, q in zip(y.placements, dt.placements, strict=True))):
+        return y.redistribute(dt.device_mesh, dt.placements)
+    return y
 
 
 def _plain(t: object) -> bool:

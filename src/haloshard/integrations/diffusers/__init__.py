@@ -41,6 +41,9 @@ slicing, framewise encoding or decoding). The styles that only these models need
 - `MochiBlockParallel`, `MochiUpBlockParallel`: Mochi's blocks with causal attention along
   T per pixel, and depth-to-space along T.
 - `LTXUpsamplerParallel`: a conv before depth-to-space along T, on windows with its reach.
+- `LTXPatchRowsParallel`: with H sharded, LTX-Video's patchify and unpatchify (its own
+  reshape and flatten, on each rank's rows) need every rank's rows to be whole patches;
+  it checks that before the encoder (and the decoder's `conv_in`) runs.
 
 `plan_for(module, dims=(3,))` shards H instead (every model above), and `dims=(2, 3)` T
 and H at once on a `(t, h)` mesh (HunyuanVideo, Mochi, LTX-Video); the styles above then
@@ -68,6 +71,7 @@ from haloshard.integrations.diffusers.hunyuan import (
 )
 from haloshard.integrations.diffusers.ltx import (
     LTXDownsamplerParallel,
+    LTXPatchRowsParallel,
     LTXUpsamplerParallel,
     SpaceToDepthStencil,
 )
@@ -115,6 +119,7 @@ __all__ = [
     "MochiUpBlockParallel",
     "LTXUpsamplerParallel",
     "LTXDownsamplerParallel",
+    "LTXPatchRowsParallel",
     "UpCausalStencil",
     "RepeatStencil",
     "ConvDepthToSpaceStencil",

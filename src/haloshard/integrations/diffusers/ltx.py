@@ -20,6 +20,7 @@ run beside it), so the copy is one slice's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from haloshard._annotation import Annotation
 from haloshard._errors import HaloError
 from haloshard._forward import (
+    ShardedForward,
     install,
     names_errors,
 )
@@ -291,29 +293,107 @@ def _rows_ltx_conv(module: nn.Module) -> dict[str, ParallelStyle]:
     return {"conv": HaloParallel(dim=3)}
 
 
-def _ltx_patches_rows(module: nn.Module) -> None:
-    """The encoder's patchify and the decoder's unpatchify fold `patch_size` rows into
-    channels in their own forward: only 1 keeps H apart."""
+class _PatchRowsForward(ShardedForward):
+    """The module's own forward, after `LTXPatchRowsParallel`'s check of its input's rows."""
+
+    style = "LTXPatchRowsParallel"
+
+    def __init__(self, module: nn.Module, rows: LTXPatchRowsParallel) -> None:
+        super().__init__(module, 3)
+        self.rows = rows
+
+    def sharded(self, *args: Any, **kwargs: Any) -> Any:
+        if args and isinstance(args[0], DTensor):
+            self.rows.check(args[0])
+        return self.original(*args, **kwargs)
+
+
+class LTXPatchRowsParallel(ParallelStyle):
+    """LTX-Video's patchify (the encoder's first step) and unpatchify (the decoder's last)
+    with H sharded: `patch_size` rows folded into channels, or unfolded from them, by
+    DTensor's own reshape and flatten in the module's forward, which keep every rank's rows
+    local (no communication, exact) when the rows they split into patches (the encoder:
+    `H / patch_size`) or merge from them (the decoder: its latent rows times its
+    upsamplers' strides along H, `upsampled`) are a multiple of the H mesh axis's size, and
+    raise their own `RuntimeError` otherwise. This style checks its module's input first
+    (the encoder; the decoder's `conv_in`, whose input is the latent), so the user learns
+    what the rows must be before anything runs. The check reads the DTensor's global shape
+    and mesh, the same on every rank.
+
+    Raises:
+        HaloError: at run time for rows that DTensor's reshape or flatten cannot keep
+            local, naming them and the multiple they need.
+
+    Example::
+        >>> style = LTXPatchRowsParallel(4)  # an encoder's: H a multiple of 4 x ranks
+    """
+
+    def __init__(self, patch_size: int, *, upsampled: int | None = None) -> None:
+        super().__init__()
+        self.patch_size, self.upsampled = patch_size, upsampled
+
+    def __repr__(self) -> str:
+        return f"LTXPatchRowsParallel({self.patch_size}, upsampled={self.upsampled})"
+
+    @names_errors
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        install(module, _PatchRowsForward(module, self))
+        return module
+
+    def check(self, x: DTensor) -> None:
+        axes = [i for i, p in enumerate(x.placements) if p.is_shard(3)]
+        ranks = math.prod(x.device_mesh.size(i) for i in axes)
+        rows, p = x.shape[3], self.patch_size
+        if self.upsampled is None and rows % (p * ranks):
+            raise HaloError(f"LTXVideoEncoder3d folds patch_size={p} rows into channels: "
+                            f"with H sharded over {ranks} ranks, DTensor's reshape keeps "
+                            f"each rank's rows only for H a multiple of patch_size x ranks = "
+                            f"{p * ranks}; got H = {rows}")
+        if self.upsampled is not None and rows * self.upsampled % ranks:
+            raise HaloError(f"LTXVideoDecoder3d unfolds patch_size={p} rows from channels "
+                            f"after its upsamplers ({self.upsampled} rows a latent row): "
+                            f"with H sharded over {ranks} ranks, DTensor's flatten keeps "
+                            f"each rank's rows only for {self.upsampled} x the latent's rows "
+                            f"a multiple of {ranks}; got {rows} latent rows")
+
+
+def _ltx_encoder_rows(module: nn.Module) -> ParallelStyle | None:
+    """The encoder's patchify folds `patch_size_t` frames and `patch_size` rows into
+    channels in its own forward: rows by DTensor's reshape (`LTXPatchRowsParallel`)."""
     _ltx_patches(module)
-    if module.patch_size != 1:
-        raise HaloError(f"{type(module).__name__} with patch_size={module.patch_size} "
-                        "folds rows into channels in its own forward; planned on H with "
-                        "patch_size=1 only")
+    return LTXPatchRowsParallel(module.patch_size) if module.patch_size != 1 else None
 
 
-def _ltx_decoder_rows(module: nn.Module) -> ParallelStyle | None:
-    _ltx_patches_rows(module)
-    return timestep_rows(module, "time_embedder")
+def _upsampled_rows(decoder: nn.Module) -> int:
+    """Rows of the decoder's output before its unpatchify, per latent row: its upsamplers'
+    strides along H."""
+    return math.prod(m.stride[1] for m in decoder.modules()
+                     if type(m).__name__ == "LTXVideoUpsampler3d")
 
 
-def _ltx_decoder_time_rows(module: nn.Module) -> None:
-    _ltx_patches_rows(module)
+def _ltx_unpatch_rows(module: nn.Module) -> dict[str, ParallelStyle]:
+    """The decoder's unpatchify (`LTXPatchRowsParallel` on its `conv_in`, the latent's
+    first layer), beside the style the decoder itself gets."""
+    _ltx_patches(module)
+    if module.patch_size == 1:
+        return {}
+    return {"conv_in": LTXPatchRowsParallel(module.patch_size,
+                                            upsampled=_upsampled_rows(module))}
+
+
+def _ltx_decoder_rows(module: nn.Module) -> dict[str, ParallelStyle]:
+    style = timestep_rows(module, "time_embedder")
+    return {**_ltx_unpatch_rows(module), **({"": style} if style is not None else {})}
+
+
+def _ltx_decoder_time_rows(module: nn.Module) -> dict[str, ParallelStyle]:
     if getattr(module, "time_embedder", None) is not None:
         raise HaloError("LTXVideoDecoder3d with timestep conditioning is planned on T or on "
                         "H, not on both at once (ReplicatedArgsParallel takes one sharded "
                         "mesh axis)")
+    return _ltx_unpatch_rows(module)
 LTX_ROWS: dict[str, Rule] = {
-    "LTXVideoEncoder3d": (_ltx_patches_rows, False),
+    "LTXVideoEncoder3d": (_ltx_encoder_rows, False),
     "LTXVideoDecoder3d": (_ltx_decoder_rows, False),
     "LTXVideoCausalConv3d": (_rows_ltx_conv, True),
     "LTXVideoUpsampler3d": (lambda m: LTXUpsamplerParallel(dim=3), True),
@@ -323,7 +403,7 @@ LTX_ROWS: dict[str, Rule] = {
     "PixArtAlphaCombinedTimestepSizeEmbeddings": (lambda m: None, True),
 }
 LTX_TIME_ROWS: dict[str, Rule] = {
-    "LTXVideoEncoder3d": (_ltx_patches_rows, False),
+    "LTXVideoEncoder3d": (_ltx_encoder_rows, False),
     "LTXVideoDecoder3d": (_ltx_decoder_time_rows, False),
     "LTXVideoCausalConv3d": (_ltx_causal_conv, True),  # the H halo from its conv
     "LTXVideoUpsampler3d": (lambda m: LTXUpsamplerParallel(), True),  # windows on both

@@ -139,9 +139,10 @@ def plan_for(module: nn.Module, *, dims: tuple[int, ...] = (2,)
     `dims` picks the sharded dims of `(B, C, T, H, W)`: `(2,)` T (every model but Wan,
     whose T plans are `wan_encoder_plan` / `wan_decoder_plan`); `(3,)` H (HunyuanVideo,
     CogVideoX and Wan 2.1 through their public `encode` / `decode`, whose frame loops and
-    caches run unchanged on each rank's rows; Mochi; LTX-Video with `patch_size=1`),
-    applied on a 1-D mesh with the input `Shard(3)`; `(2, 3)` T and H at once
-    (HunyuanVideo, Mochi, LTX-Video with `patch_size=1` and no timestep conditioning),
+    caches run unchanged on each rank's rows; Mochi; LTX-Video, whose patches of
+    `patch_size` rows must lie whole on a rank: `LTXPatchRowsParallel`), applied on a 1-D
+    mesh with the input `Shard(3)`; `(2, 3)` T and H at once (HunyuanVideo, Mochi,
+    LTX-Video without timestep conditioning),
     applied on the `t` axis of a `(t, h)` mesh (`parallelize_module(vae, mesh["t"],
     plan)`) with the input `[Shard(2), Shard(3)]`. A layer that cannot be sharded on `dims`
     raises `HaloError` naming it and the dims when the plan is built (on T and H:
