@@ -366,7 +366,7 @@ def test_dims_checked() -> None:
     ("encoder", 2, (1, 3, 9, 12, 8), r"^<root> \(LTXVideoEncoder3d\): .*patch_size=4 rows .*"
      r"over 2 ranks.*H a multiple of patch_size x ranks = 8; got H = 12"),
     # 5 latent rows x 8 over 3 ranks
-    ("decoder", 3, (1, 4, 3, 5, 2), r"^conv_in \(LTXVideoCausalConv3d\): LTXVideoDecoder3d "
+    ("decoder", 3, (1, 4, 3, 5, 2), r"^mid_block \(LTXVideoMidBlock3d\): LTXVideoDecoder3d "
      r"unfolds patch_size=4 rows .*\(8 rows a latent row\).*over 3 ranks.*a multiple of 3; "
      r"got 5 latent rows"),
 ])
@@ -456,6 +456,20 @@ def test_no_grad_keeps_nothing_simulated(name: str, part: str, shape: tuple[int,
         case_no_grad(mesh, name, part, shape, dims)
 
 
+def case_inference(mesh: DeviceMesh, name: str, part: str, shape: tuple[int, ...],
+                   dims: tuple[int, ...]) -> None:
+    """`torch.no_grad()` through the plan against one device: on real ranks the inference
+    paths (windows of rows built in one buffer) run, which a run with gradients skips."""
+    module = getattr(MODELS[name](), part)
+    full = seeded_randn(shape, 1, torch.float64)
+    with single_device(), torch.no_grad(), _rms_in_input_dtype():
+        want = copy.deepcopy(module)(full)
+    parallelize_module(module, mesh, plan_for(module, dims=dims))
+    with torch.no_grad(), _rms_in_input_dtype():
+        y = module(distribute_tensor(full, mesh, [Shard(d) for d in dims]))
+    torch.testing.assert_close(y.full_tensor(), want, **TOL)
+
+
 # ---------------------------------------------------------------- gloo
 def on_gloo(dims: tuple[int, ...]) -> None:
     world = dist.get_world_size()
@@ -463,8 +477,11 @@ def on_gloo(dims: tuple[int, ...]) -> None:
         mesh = worker_mesh(world)
         case(mesh, "hunyuan", "decoder", (1, 4, 3, 3, 2), dims)  # 2, 1 rows (1, 1, 1, 0)
         case(worker_mesh(world), "ltx", "decoder", (1, 4, 3, 3, 2), dims)
-        # patch 4: DTensor's reshape and flatten on real ranks' rows
+        # patch 4: DTensor's reshape and flatten on real ranks' rows; in inference the
+        # causal convs build their windows of rows in one buffer
         case(worker_mesh(world), "ltx_patched", "encoder", (1, 3, 9, 16, 8), dims)
+        for part, shape in (("encoder", (1, 3, 9, 32, 16)), ("decoder", (1, 4, 3, 4, 2))):
+            case_inference(worker_mesh(world), "ltx_patched", part, shape, dims)
     else:
         mesh = worker_mesh((world // 2, 2), mesh_dim_names=("t", "h"))
         case(mesh, "ltx", "encoder", (1, 3, 5, 6, 4), dims)  # 3, 2 frames x 3, 3 rows

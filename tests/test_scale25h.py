@@ -773,6 +773,56 @@ def test_wan_rows_causal_conv_holds_one_window(gloo: Any) -> None:
         assert all(d <= 1e-5 for d in row["diffs"]), (rank, row)
 
 
+# ---------------------------------------------------------------- LTX-Video's causal conv
+def _ltx_conv_window() -> dict[str, Any]:
+    """On this gloo rank (2 ranks, 16 rows as 8, 8): LTX-Video's causal conv and its
+    centred form (the 0.9.0 decoder's) with H sharded, under no_grad, as plan_for(vae,
+    dims=(3,)) plans it. The bytes live when the conv starts (after a first call agreed
+    the window) and each output's difference to one device's."""
+    import torch.distributed as dist
+    from diffusers.models.autoencoders.autoencoder_kl_ltx import LTXVideoCausalConv3d
+
+    from haloshard.integrations.diffusers.ltx import LTXRowsCausalParallel, _rows_ltx_conv
+    from haloshard.testing import worker_mesh
+
+    mesh = worker_mesh(dist.get_world_size())
+    rank, world = mesh.get_local_rank(), mesh.size()
+    out: dict[str, Any] = {}
+    for causal in (True, False):
+        with single_device():
+            torch.manual_seed(0)
+            module = LTXVideoCausalConv3d(16, 16, 3, is_causal=causal)
+        assert isinstance(_rows_ltx_conv(module), LTXRowsCausalParallel)  # plan_for's
+        twin = copy.deepcopy(module)
+        parallelize_module(module, mesh, LTXRowsCausalParallel(dim=3))
+        full = seeded_randn((1, 16, 12, 16, 16), 1, torch.float32)
+        with torch.no_grad():
+            want = twin(full)
+            x = distribute_tensor(full, mesh, [Shard(3)])
+            module(x)  # agrees the window
+            live, y = live_at_conv(lambda m=module, t=x: m(t))
+        out[f"causal={causal}"] = (live, float((y.to_local()
+                                                - shard(want, 3, world, rank)).abs().max()))
+    return out
+
+
+@pytest.mark.gloo
+def test_ltx_rows_causal_conv_holds_one_window(gloo2: Any) -> None:
+    """2 gloo ranks, H sharded, inference: LTX-Video's causal conv (and its centred form)
+    writes its repeated edge frames and its input straight into the conv's window of rows,
+    so when the conv starts a rank holds that window (2 + 12 frames, its 8 rows and a halo
+    row each side) and at most the exchange's rows, where the module's concatenation and
+    the window built from it held 2.0 (LTX-Video's decode on H peaked there). Exact
+    against one device up to float32 rounding (sums of 27 * 16 products of O(1) values)."""
+    window, row_bytes = 16 * 14 * 10 * 16 * 4, 16 * 14 * 16 * 4
+    for rank, row in enumerate(gloo2.run(_ltx_conv_window)):
+        for form, (live, diff) in row.items():
+            # gloo's worker thread may still hold the exchange's sent and received row
+            # when the conv starts; 16 KiB of small buffers
+            assert live <= window + 2 * row_bytes + 2**14, (rank, form, live / window)
+            assert diff <= 1e-5, (rank, form, diff)
+
+
 @pytest.mark.simulated
 def test_cog_rows_causal_conv_refuses_other_padding() -> None:
     """The window built in one buffer pads H with zeros: a CogVideoX causal conv whose

@@ -43,7 +43,7 @@ slicing, framewise encoding or decoding). The styles that only these models need
 - `LTXUpsamplerParallel`: a conv before depth-to-space along T, on windows with its reach.
 - `LTXPatchRowsParallel`: with H sharded, LTX-Video's patchify and unpatchify (its own
   reshape and flatten, on each rank's rows) need every rank's rows to be whole patches;
-  it checks that before the encoder (and the decoder's `conv_in`) runs.
+  it checks that before the encoder (and the decoder's `mid_block`) runs.
 
 `plan_for(module, dims=(3,))` shards H instead (every model above), and `dims=(2, 3)` T
 and H at once on a `(t, h)` mesh (HunyuanVideo, Mochi, LTX-Video); the styles above then

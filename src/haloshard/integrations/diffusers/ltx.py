@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.overrides import TorchFunctionMode
 
 from haloshard._annotation import Annotation
@@ -44,6 +44,7 @@ from haloshard._layer_styles import (
     LocalParallel,
 )
 from haloshard._layout import HaloShard, PadMode
+from haloshard._site import rewrap
 from haloshard._styles import HaloParallel
 from haloshard.integrations.diffusers._base import (
     DimStyle,
@@ -56,6 +57,7 @@ from haloshard.integrations.diffusers._base import (
     timestep_conditioned,
     timestep_rows,
 )
+from haloshard.integrations.diffusers._rows import FastConv3d, rows_site, rows_window
 from haloshard.integrations.diffusers.stencils import ConvDepthToSpaceStencil, ConvRepeatStencil
 
 
@@ -287,10 +289,83 @@ LTX_RULES: dict[str, Rule] = {
 }
 
 
-def _rows_ltx_conv(module: nn.Module) -> dict[str, ParallelStyle]:
+def _rows_ltx_conv(module: nn.Module) -> ParallelStyle | dict[str, ParallelStyle]:
     """LTX's conv with H sharded: the wrapper pads T only (run on the H chunk), its conv
-    pads H itself (`padding`, any stride): the halo derived from the conv."""
+    pads H itself (`padding`, any stride): the halo derived from the conv; where that conv
+    is centred with stride 1 along H, its window built in one buffer in inference
+    (`LTXRowsCausalParallel`)."""
+    if _centred_rows(module.conv):
+        return LTXRowsCausalParallel(dim=3)
     return {"conv": HaloParallel(dim=3)}
+
+
+def _centred_rows(conv: nn.Conv3d) -> bool:
+    """A conv that pads H by `(k - 1) // 2` zeros each side, stride and dilation 1."""
+    k = conv.kernel_size[1]
+    return (k % 2 == 1 and conv.padding_mode == "zeros"
+            and (conv.padding[1], conv.stride[1], conv.dilation[1]) == ((k - 1) // 2, 1, 1))
+
+
+class LTXRowsCausalParallel(DimStyle):
+    """`LTXVideoCausalConv3d` with H sharded: its conv takes the H halo
+    (`HaloParallel(dim=3)`), its `torch.concatenate` of repeated edge frames along T runs
+    as the module's.
+
+    In inference on real ranks the wrapper's forward runs here instead: its repeated
+    first frames (and, centred, last frames) and its input are written straight into the
+    conv's window of rows, whose halo rows the exchange then fills (`rows_window`), and
+    the conv runs on that window (its H padding dropped, the halo holds it). The module's
+    concatenation and the conv's window were two buffers of the chunk's size, live at
+    once when the conv starts (LTX-Video's decode on H peaked there at 1.31 of one
+    device's share at P = 2); one is left. Training and simulated ranks run the module's
+    own forward.
+
+    Raises:
+        HaloError: in `_apply` for another class, a dim other than 3, or a conv that pads
+            H otherwise than by `(k_H - 1) // 2` zeros each side with stride and dilation
+            1 along H.
+    """
+
+    @names_errors
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        check_class(module, "LTXVideoCausalConv3d", "LTXRowsCausalParallel")
+        conv = module.conv
+        if self.dim != 3 or not _centred_rows(conv):
+            raise HaloError(f"LTXRowsCausalParallel shards H (dim 3) of an "
+                            f"LTXVideoCausalConv3d whose conv pads H by (k - 1) // 2 zeros "
+                            f"with stride and dilation 1, got dim={self.dim}, kernel "
+                            f"{conv.kernel_size[1]}, padding {conv.padding[1]} "
+                            f"({conv.padding_mode}), stride {conv.stride[1]}, dilation "
+                            f"{conv.dilation[1]}")
+        parallelize_module(conv, device_mesh, HaloParallel(dim=3))
+        install(module, _LTXRowsForward(module, 3, device_mesh))
+        return module
+
+
+class _LTXRowsForward(ShardedForward):
+    """`LTXVideoCausalConv3d.forward(hidden_states)` on a `Shard(3)` DTensor: the
+    concatenation of edge frames and input built in the conv's window of rows."""
+
+    def fresh(self) -> None:
+        self.agreed: dict[Any, Any] = {}
+
+    def sharded(self, hidden_states: torch.Tensor) -> Any:
+        m = self.module
+        stencil = m.conv.forward.annotation.stencil  # the conv's HaloForward: its H halo
+        site = rows_site(hidden_states, (), stencil)
+        if site is None:
+            return self.original(hidden_states)
+        k, x = m.kernel_size[0], site.local
+        before, after = (k - 1, 0) if m.is_causal else ((k - 1) // 2, (k - 1) // 2)
+        frames = [x[:, :, :1].expand(-1, -1, before, -1, -1), x,
+                  x[:, :, -1:].expand(-1, -1, after, -1, -1)]
+        buf, _, plan = rows_window(site, stencil, [f for f in frames if f.shape[2]],
+                                   self.agreed)
+        del x, frames
+        # the conv's own forward with its H padding dropped while the halo is installed
+        with FastConv3d():
+            y = type(m.conv).forward(m.conv, buf)
+        return rewrap(y, site, 3, plan.out_length)
 
 
 class _PatchRowsForward(ShardedForward):
@@ -316,7 +391,8 @@ class LTXPatchRowsParallel(ParallelStyle):
     `H / patch_size`) or merge from them (the decoder: its latent rows times its
     upsamplers' strides along H, `upsampled`) are a multiple of the H mesh axis's size, and
     raise their own `RuntimeError` otherwise. This style checks its module's input first
-    (the encoder; the decoder's `conv_in`, whose input is the latent), so the user learns
+    (the encoder; the decoder's `mid_block`, whose input has the latent's rows: the
+    decoder itself and its `conv_in` carry styles of their own), so the user learns
     what the rows must be before anything runs. The check reads the DTensor's global shape
     and mesh, the same on every rank.
 
@@ -372,13 +448,14 @@ def _upsampled_rows(decoder: nn.Module) -> int:
 
 
 def _ltx_unpatch_rows(module: nn.Module) -> dict[str, ParallelStyle]:
-    """The decoder's unpatchify (`LTXPatchRowsParallel` on its `conv_in`, the latent's
-    first layer), beside the style the decoder itself gets."""
+    """The decoder's unpatchify (`LTXPatchRowsParallel` on its `mid_block`, the first
+    module with the latent's rows and no style of its own), beside the style the decoder
+    itself gets."""
     _ltx_patches(module)
     if module.patch_size == 1:
         return {}
-    return {"conv_in": LTXPatchRowsParallel(module.patch_size,
-                                            upsampled=_upsampled_rows(module))}
+    return {"mid_block": LTXPatchRowsParallel(module.patch_size,
+                                              upsampled=_upsampled_rows(module))}
 
 
 def _ltx_decoder_rows(module: nn.Module) -> dict[str, ParallelStyle]:
