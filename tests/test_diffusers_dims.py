@@ -78,11 +78,14 @@ def ltx() -> nn.Module:
 def ltx_patched() -> nn.Module:
     from diffusers import AutoencoderKLLTXVideo
 
-    with single_device():  # LTX-Video 0.9.0's configuration, 8 channels, its patch 4
+    # LTX-Video 0.9.0's configuration, its patch 4, 8 and 16 channels: the blocks that
+    # change the width run a LayerNorm and a 1x1x1 causal conv on their shortcut
+    with single_device():
         torch.manual_seed(0)
         vae = AutoencoderKLLTXVideo(
-            latent_channels=4, block_out_channels=(8,) * 4, decoder_block_out_channels=(8,) * 4,
-            layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 5)
+            latent_channels=4, block_out_channels=(8, 8, 16, 16),
+            decoder_block_out_channels=(8, 8, 16, 16), layers_per_block=(1,) * 5,
+            decoder_layers_per_block=(1,) * 5)
         return vae.double().eval()
 
 

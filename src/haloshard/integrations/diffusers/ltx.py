@@ -351,6 +351,11 @@ class _LTXRowsForward(ShardedForward):
 
     def sharded(self, hidden_states: torch.Tensor) -> Any:
         m = self.module
+        if m.kernel_size[0] == 1:
+            # no edge frame to repeat: the module's concatenation is its input (and its
+            # `repeat` by 0 of a DTensor has a backward that returns a plain tensor beside
+            # DTensor gradients in torch 2.13, which autograd cannot add)
+            return m.conv(hidden_states)
         stencil = m.conv.forward.annotation.stencil  # the conv's HaloForward: its H halo
         site = rows_site(hidden_states, (), stencil)
         if site is None:
