@@ -17,18 +17,57 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.overrides import TorchFunctionMode
 
 from haloshard._choice import onednn_direct, slow_window
 from haloshard._comm import is_eager
 from haloshard._compat import onednn_convolution
+from haloshard._errors import HaloError
 from haloshard._exchange import empty_like_layout, prepare_halo
+from haloshard._forward import ShardedForward, install
 from haloshard._layout import shard_sizes
 from haloshard._site import Site, dtensor_site
 from haloshard._specs import Stencil, WindowPlan, plan_windows
+from haloshard._styles import HaloParallel
 
 Frames = torch.Tensor | int  # this rank's rows of some frames, or a count of zero frames
+
+
+def centred_rows(conv: Any) -> bool:
+    """Whether a conv pads H by `(k - 1) // 2` zeros each side with stride and dilation 1
+    along H: the conv whose window of rows `rows_window` builds."""
+    k = conv.kernel_size[1]
+    return (k % 2 == 1 and conv.padding_mode == "zeros"
+            and (conv.padding[1], conv.stride[1], conv.dilation[1]) == ((k - 1) // 2, 1, 1))
+
+
+def apply_rows_conv(module: nn.Module, device_mesh: DeviceMesh, dim: int, style: str,
+                    forward: ShardedForward, *, mode: str | None = None) -> nn.Module:
+    """A causal wrapper's rows style applied: its `.conv` takes the H halo
+    (`HaloParallel(dim=3)`), and `forward` (whose inference path builds the conv's window
+    of rows in one buffer) replaces the wrapper's. `mode`: the wrapper's own pad mode
+    (CogVideoX's), where "replicate" (an `F.pad` of H by the wrapper) is refused.
+
+    Raises:
+        HaloError: for a dim other than 3, another pad mode, or a conv that is not
+            `centred_rows`, naming the module's class and the conv's geometry along H.
+    """
+    conv = module.conv
+    if dim != 3 or mode == "replicate" or not centred_rows(conv):
+        own = "" if mode is None else f"pad_mode {mode!r}, "
+        raise HaloError(f"{style} shards H (dim 3) of a {'constant-mode ' if mode else ''}"
+                        f"{type(module).__name__} whose conv pads H by (k - 1) // 2 zeros "
+                        f"with stride and dilation 1, got dim={dim}, {own}kernel "
+                        f"{conv.kernel_size[1]}, padding {conv.padding[1]} "
+                        f"({conv.padding_mode}), stride {conv.stride[1]}, dilation "
+                        f"{conv.dilation[1]}")
+    parallelize_module(conv, device_mesh, HaloParallel(dim=3))
+    install(module, forward)
+    return module
 
 
 def rows_site(x: Any, caches: tuple[Any, ...], stencil: Stencil) -> Site | None:

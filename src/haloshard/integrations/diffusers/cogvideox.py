@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from haloshard import _segments
 from haloshard._attention import gather_many
@@ -54,7 +54,12 @@ from haloshard.integrations.diffusers._base import (
     rows_causal_conv,
     rows_pointwise,
 )
-from haloshard.integrations.diffusers._rows import FastConv3d, rows_site, rows_window
+from haloshard.integrations.diffusers._rows import (
+    FastConv3d,
+    apply_rows_conv,
+    rows_site,
+    rows_window,
+)
 from haloshard.integrations.diffusers.stencils import RepeatConvStencil
 
 
@@ -297,20 +302,9 @@ class CogRowsCausalParallel(DimStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         check_class(module, "CogVideoXCausalConv3d", "CogRowsCausalParallel")
-        conv = module.conv
-        k = conv.kernel_size[1]
-        if self.dim != 3 or module.pad_mode == "replicate" or k % 2 == 0 or (
-                conv.padding[1], conv.stride[1], conv.dilation[1]) != ((k - 1) // 2, 1, 1) \
-                or conv.padding_mode != "zeros":
-            raise HaloError(f"CogRowsCausalParallel shards H (dim 3) of a constant-mode "
-                            f"CogVideoXCausalConv3d whose conv pads H by (k - 1) // 2 zeros "
-                            f"with stride and dilation 1, got dim={self.dim}, pad_mode "
-                            f"{module.pad_mode!r}, kernel {k}, padding {conv.padding[1]} "
-                            f"({conv.padding_mode}), stride {conv.stride[1]}, dilation "
-                            f"{conv.dilation[1]}")
-        parallelize_module(conv, device_mesh, HaloParallel(dim=3))
-        install(module, _RowsCausalForward(module, 3, device_mesh))
-        return module
+        return apply_rows_conv(module, device_mesh, self.dim, "CogRowsCausalParallel",
+                               _RowsCausalForward(module, 3, device_mesh),
+                               mode=module.pad_mode)
 
 
 class _RowsCausalForward(ShardedForward):

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
 from haloshard._annotation import Annotation
@@ -57,7 +57,13 @@ from haloshard.integrations.diffusers._base import (
     timestep_conditioned,
     timestep_rows,
 )
-from haloshard.integrations.diffusers._rows import FastConv3d, rows_site, rows_window
+from haloshard.integrations.diffusers._rows import (
+    FastConv3d,
+    apply_rows_conv,
+    centred_rows,
+    rows_site,
+    rows_window,
+)
 from haloshard.integrations.diffusers.stencils import ConvDepthToSpaceStencil, ConvRepeatStencil
 
 
@@ -294,16 +300,9 @@ def _rows_ltx_conv(module: nn.Module) -> ParallelStyle | dict[str, ParallelStyle
     pads H itself (`padding`, any stride): the halo derived from the conv; where that conv
     is centred with stride 1 along H, its window built in one buffer in inference
     (`LTXRowsCausalParallel`)."""
-    if _centred_rows(module.conv):
+    if centred_rows(module.conv):
         return LTXRowsCausalParallel(dim=3)
     return {"conv": HaloParallel(dim=3)}
-
-
-def _centred_rows(conv: nn.Conv3d) -> bool:
-    """A conv that pads H by `(k - 1) // 2` zeros each side, stride and dilation 1."""
-    k = conv.kernel_size[1]
-    return (k % 2 == 1 and conv.padding_mode == "zeros"
-            and (conv.padding[1], conv.stride[1], conv.dilation[1]) == ((k - 1) // 2, 1, 1))
 
 
 class LTXRowsCausalParallel(DimStyle):
@@ -329,17 +328,8 @@ class LTXRowsCausalParallel(DimStyle):
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         check_class(module, "LTXVideoCausalConv3d", "LTXRowsCausalParallel")
-        conv = module.conv
-        if self.dim != 3 or not _centred_rows(conv):
-            raise HaloError(f"LTXRowsCausalParallel shards H (dim 3) of an "
-                            f"LTXVideoCausalConv3d whose conv pads H by (k - 1) // 2 zeros "
-                            f"with stride and dilation 1, got dim={self.dim}, kernel "
-                            f"{conv.kernel_size[1]}, padding {conv.padding[1]} "
-                            f"({conv.padding_mode}), stride {conv.stride[1]}, dilation "
-                            f"{conv.dilation[1]}")
-        parallelize_module(conv, device_mesh, HaloParallel(dim=3))
-        install(module, _LTXRowsForward(module, 3, device_mesh))
-        return module
+        return apply_rows_conv(module, device_mesh, self.dim, "LTXRowsCausalParallel",
+                               _LTXRowsForward(module, 3, device_mesh))
 
 
 class _LTXRowsForward(ShardedForward):
