@@ -386,6 +386,18 @@ def test_patch_rows_checked_simulated(part: str, world: int, shape: tuple[int, .
             module(x)
 
 
+def test_patch_rows_checks_its_module() -> None:
+    """`LTXPatchRowsParallel` claims only the modules whose input rows it knows: the
+    encoder (its own patchify) and, with `upsampled`, the decoder's mid-block."""
+    from haloshard.integrations.diffusers import LTXPatchRowsParallel
+
+    with simulated_mesh(2) as mesh:
+        for style in (LTXPatchRowsParallel(4), LTXPatchRowsParallel(4, upsampled=8)):
+            with pytest.raises(HaloError, match=r"LTXPatchRowsParallel applies to diffusers' "
+                                                r"LTXVideo(Encoder3d|MidBlock3d), got Conv3d"):
+                parallelize_module(nn.Conv3d(2, 2, 3), mesh, style)
+
+
 # ---------------------------------------------------------------- inference keeps nothing
 class _Made(TorchDispatchMode):
     """Weak references to every tensor an op makes while active, with the op's name."""

@@ -1311,7 +1311,6 @@ def _diagonal(t: torch.Tensor) -> torch.Tensor:
 
 
 @maybe_run_for_local_tensor
-@maybe_run_for_local_tensor
 def _on_first(t: torch.Tensor, *coordinates: int) -> torch.Tensor:
     """`t` on the mesh's first rank (every coordinate 0), zeros on the others; per rank
     under simulated ranks (whose coordinates differ by rank)."""

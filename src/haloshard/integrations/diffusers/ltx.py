@@ -392,8 +392,9 @@ class LTXPatchRowsParallel(ParallelStyle):
     and mesh, the same on every rank.
 
     Raises:
-        HaloError: at run time for rows that DTensor's reshape or flatten cannot keep
-            local, naming them and the multiple they need.
+        HaloError: in `_apply` for a module other than `LTXVideoEncoder3d` (or, with
+            `upsampled`, `LTXVideoMidBlock3d`); at run time for rows that DTensor's
+            reshape or flatten cannot keep local, naming them and the multiple they need.
 
     Example::
         >>> style = LTXPatchRowsParallel(4)  # an encoder's: H a multiple of 4 x ranks
@@ -408,6 +409,9 @@ class LTXPatchRowsParallel(ParallelStyle):
 
     @names_errors
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # the encoder checks its own input; the decoder's check sits on its mid-block
+        check_class(module, "LTXVideoEncoder3d" if self.upsampled is None
+                    else "LTXVideoMidBlock3d", "LTXPatchRowsParallel")
         install(module, _PatchRowsForward(module, self))
         return module
 
