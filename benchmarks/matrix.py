@@ -360,7 +360,8 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
             "sent": count.sent / halo if halo else float("nan"), "meta": count.meta,
             "peak": peaks, "halo": (left + right) * slice_bytes,
             # the default's choice (a causal wrapper always exchanges first)
-            "chose": "overlap" if any(default.forward.chosen.values()) else "no overlap"}
+            "chose": ("overlap" if any(c.overlap for c in default.forward.chosen.values())
+                      else "no overlap")}
 
 
 _SHORT = {"overlap": "ovl", "no overlap": "xf"}

@@ -110,18 +110,23 @@ def test_no_metadata_collective_after_the_first_call(gloo: Callable[[int], Any])
         first, *later = got["counts"]
         # first call: each of the 3 halo layers agrees once (one int gather); layer 0
         # (overlap=None) is a float64 conv3d, which torch convolves on its slow path: it
-        # exchanges first, tap by tap, with no trial (test_trial_leaves_no_gradient times);
-        # it gathers the per-rank settings that choice reads once (test_agreement.py)
-        assert got["trials"] == {}, got["trials"]
-        assert first[0] == {"all_gather_single": 4, "all_to_all_single": 3}, first
+        # exchanges first, its window tap by tap or as torch's conv3d, whichever a trial
+        # times faster (two gathers, a forward and a backward move per step, as in
+        # test_trial_leaves_no_gradient); it gathers the per-rank settings that choice
+        # reads once (test_agreement.py)
+        rounds = next(iter(got["trials"].values()))  # the first signature's
+        trial = 2 * 2 * (1 + rounds)
+        assert first[0] == {"all_gather_single": 6, "all_to_all_single": 3 + trial}, first
         for forward, backward in later:  # then exactly the halo moves, forward and backward
             assert forward == {"all_to_all_single": 3}, forward
             assert backward == {"all_to_all_single": 3}, backward
         assert max(got["errors"]) <= 1e-12 and got["after"] <= 1e-12, got
         assert got["seconds"] < 5.0, got  # at once, not at a timeout (60 s here)
         # overlap=None chose once per input signature (two: the last input does not
-        # require grad), exchange-first; overlap=False never chooses
-        assert list(got["chosen"][0].values()) == [False, False], got["chosen"]
+        # require grad; its weight does, so that one timed its formulations too),
+        # exchange-first; overlap=False never chooses
+        assert [c.overlap for c in got["chosen"][0].values()] == [False, False], got
+        assert len(got["trials"]) == 2, got["trials"]
         assert got["chosen"][3] == {}, got["chosen"]
     other, bad = (r["raised"] for r in results)
     assert "at this call site's last agreement in ['length']" in bad, bad
@@ -290,6 +295,75 @@ def test_trial_leaves_no_gradient(gloo: Callable[[int], Any]) -> None:
         assert got["error"] <= 1e-12, got
 
 
+def taps_or_window() -> dict[str, Any]:
+    """A float64 conv3d that torch convolves on its slow path, exchanged first: its window
+    tap by tap (`_taps=True`) or as torch's conv3d (`_taps=False`), each exact against one
+    device (output, input, weight and bias gradients); and `overlap=None` choosing between
+    them by a trial at its first call with gradients."""
+    from haloshard import _conv
+    from haloshard._conv import conv_call
+
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    with single_device():
+        torch.manual_seed(0)
+        conv = nn.Conv3d(3, 4, 3, padding=1).double()
+        full = seeded_randn((1, 3, 7, 5, 5), 3).double().requires_grad_()
+        upstream = seeded_randn((1, 4, 7, 5, 5), 4).double()
+        (conv(full) * upstream).sum().backward()
+        expected = [full.grad, conv.weight.grad, conv.bias.grad]
+        want = conv(full).detach()
+    calls = {"taps": 0}
+    taps_conv = _conv._taps_conv
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls["taps"] += 1
+        return taps_conv(*args)
+
+    _conv._taps_conv = counted
+    errors, used = {}, {}
+    try:
+        for taps in (True, False):
+            leaf = shard(full.detach(), 2, 2, rank).clone().requires_grad_()
+            weight, bias = (p.detach().clone().requires_grad_() for p in conv.parameters())
+            before = calls["taps"]
+            y = conv_call(leaf, weight, bias, dim=2, left=1, right=1, group=mesh,
+                          padding=(0, 1, 1), overlap=False, _taps=taps).apply(leaf, weight, bias)
+            (y * shard(upstream, 2, 2, rank)).sum().backward()
+            weight_grad, bias_grad = (t.clone() for t in (weight.grad, bias.grad))
+            dist.all_reduce(weight_grad)
+            dist.all_reduce(bias_grad)
+            got = [y, leaf.grad, weight_grad, bias_grad]
+            ref = [shard(want, 2, 2, rank), shard(expected[0], 2, 2, rank), *expected[1:]]
+            errors[taps] = max((a - b).abs().max().item() for a, b in zip(got, ref, strict=True))
+            used[taps] = calls["taps"] - before
+    finally:
+        _conv._taps_conv = taps_conv
+    layer = nn.Conv3d(3, 4, 3, padding=1).double()
+    layer.load_state_dict(conv.state_dict())
+    parallelize_module(layer, mesh, HaloParallel())
+    leaf = shard(full.detach(), 2, 2, rank).clone().requires_grad_()
+    x = DTensor.from_local(leaf, mesh, [Shard(2)], shape=full.shape, stride=full.stride())
+    y = layer(x)
+    (y.to_local() * shard(upstream, 2, 2, rank)).sum().backward()
+    chosen = list(layer.forward.chosen.values())
+    error = max((y.to_local() - shard(want, 2, 2, rank)).abs().max().item(),
+                (leaf.grad - shard(expected[0], 2, 2, rank)).abs().max().item())
+    return {"errors": errors, "used": used, "chosen": chosen, "error": error,
+            "trials": list(layer.forward.trials.values())}
+
+
+@pytest.mark.gloo
+def test_window_tap_by_tap_or_whole(gloo: Callable[[int], Any]) -> None:
+    results = gloo(2).run(taps_or_window, timeout=120)
+    for got in results:
+        assert got["used"] == {True: 1, False: 0}, got  # the taps ran only where allowed
+        assert max(got["errors"].values()) <= 1e-12, got
+        (choice,) = got["chosen"]  # exchange-first, taps or not as the trial timed them
+        assert not choice.overlap and got["error"] <= 1e-12, got
+        assert len(got["trials"]) == 1 and got["trials"][0] >= _TRIAL_ROUNDS, got
+    assert results[0]["chosen"] == results[1]["chosen"]  # every rank took the same choice
+
+
 def test_exchange_first_only_when_clearly_faster() -> None:
     from haloshard._choice import _overlap_kept
 
@@ -297,3 +371,11 @@ def test_exchange_first_only_when_clearly_faster() -> None:
     assert _overlap_kept([[1000, 950], [1000, 930]])  # 6% faster: within the margin
     assert not _overlap_kept([[1000, 850], [1000, 880]])  # 13% faster: exchange first
     assert _overlap_kept([[1000, 700], [1000, 1400]])  # one rank's gain is the other's loss
+
+
+def test_taps_kept_unless_slower() -> None:
+    from haloshard._choice import _sum_first
+
+    # per rank: (window tap by tap, window's conv3d), in us: summed over ranks
+    assert _sum_first([[100, 100], [100, 100]]) and _sum_first([[90, 200], [150, 100]])
+    assert not _sum_first([[210, 100], [100, 200]])

@@ -7,10 +7,11 @@ window (`WHOLE`, exchange-first), which on torch's slow conv3d path runs tap by 
 module decides, and nothing else does:
 - `overlappable`: whether a halo layer's conv can run as `halo_conv` at all (from its class,
   stencil and the plan);
-- `ConvChoice.overlaps`: overlapped or exchange-first, once per global input signature of a
-  layer (from shapes where torch's slow path decides it, else a timed trial on CPU);
+- `ConvChoice.choose`: overlapped or exchange-first, and whether an exchanged window may run
+  tap by tap, once per global input signature of a layer (from shapes where no trial runs,
+  else a timed trial on CPU);
 - `formulation`: which of the three `halo_conv` runs, from the shortest chunk;
-- `by_taps`: whether an exchanged window's conv3d runs tap by tap (per rank).
+- `by_taps`: whether an exchanged window's conv3d runs tap by tap (per rank, where allowed).
 Every choice that changes what moves between ranks is taken alike on every rank (from the
 global shape, or from agreed rows); `by_taps` changes only this rank's arithmetic.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -51,10 +52,21 @@ _EXCHANGE_FIRST_MARGIN = 0.1
 _TRIAL_ROUNDS = 3
 _TRIAL_MAX_ROUNDS = 9
 _TRIAL_SECONDS = 0.15
-# How the trial runs one formulation of a layer's conv: `run(leaf, params, whole)`, on a
-# detached copy of the chunk (`leaf`) and of the module's weight and bias (`params`);
-# `whole`: exchange-first.
-TrialRun = Callable[[torch.Tensor, list[torch.Tensor | None], bool], torch.Tensor]
+
+
+class Choice(NamedTuple):
+    """A layer's choice for one input signature: `overlap` (the chunk's own conv while the
+    halo travels) or exchange-first, and whether an exchanged window may run tap by tap
+    (`taps`: where `by_taps` says so on a rank; False: the window's conv3d as torch runs
+    it)."""
+
+    overlap: bool
+    taps: bool = True
+
+
+# How the trial runs one formulation of a layer's conv: `run(leaf, params, choice)`, on a
+# detached copy of the chunk (`leaf`) and of the module's weight and bias (`params`).
+TrialRun = Callable[[torch.Tensor, list[torch.Tensor | None], Choice], torch.Tensor]
 # A `site` below is a `_site.Site` (typed Any: `_site` needs `_conv`, which needs this module)
 
 
@@ -75,68 +87,85 @@ def overlappable(module: nn.Module, annotation: Annotation, plan: WindowPlan, si
 
 
 class ConvChoice:
-    """A halo layer's choice between the overlapped conv and exchange-first, by global input
-    signature (`chosen`), with the rounds its trial timed (`trials`): per model copy."""
+    """A layer's choice of formulation (`Choice`) by global input signature (`chosen`), with
+    the rounds its trial timed (`trials`): per model copy."""
 
     def __init__(self) -> None:
-        self.chosen: dict[Any, bool] = {}  # overlap or not, by global input signature
+        self.chosen: dict[Any, Choice] = {}  # by global input signature
         self.trials: dict[Any, int] = {}  # rounds each formulation was timed, by signature
 
-    def overlaps(self, module: nn.Module, site: Any, plan: WindowPlan, run: TrialRun
-                 ) -> bool:
-        """Whether this call runs `module`'s conv overlapped (the chunk's own conv while the
-        halo travels, boundary corrections once it arrives) or exchanges first, for a layer
-        given `overlap=None`: decided once per global input signature. A conv3d whose window
-        torch would convolve on its slow path exchanges first, tap by tap
-        (`_taps_everywhere`, from shapes alone). Otherwise, on CPU (eager c10d, not
-        deterministic mode) both are timed once, as `cudnn.benchmark` does
-        (`faster_overlapped`): no engine moves the halo beside the conv there, and which
-        formulation runs faster depends on the shape (2 frames of C256 exchanged first:
-        0.58 of the chunk's own padded conv; 8 frames of C64 48x48: 1.03 of the overlapped
-        conv). Exchange-first, whose backward holds a copy of the chunk, must be
-        `_EXCHANGE_FIRST_MARGIN` faster. Elsewhere (GPUs, where the halo travels beside
-        the conv; compiled, simulated, deterministic) it overlaps. Every rank takes the
-        same choice: it is called once the exchange has agreed on the signature (so every
-        rank looks the choice up alike), and the settings each rank reads for it (memory
-        format, deterministic mode) ride in one small gather at the first call."""
+    def choose(self, module: nn.Module, site: Any, plan: WindowPlan, run: TrialRun
+               ) -> Choice:
+        """How this call runs `module`'s conv, for a layer given `overlap=None`: decided once
+        per global input signature.
+
+        A conv3d whose window torch would convolve on its slow path on every rank
+        (`_taps_everywhere`, from shapes alone) exchanges first: there the chunk's own
+        padded conv3d, the overlapped formulation's, is on that slow path too. Whether its
+        window then runs tap by tap (`by_taps`: oneDNN's conv2d per tap) or as torch's own
+        conv3d is timed where a graph is built (CPU, eager, not deterministic): the taps
+        took 0.3 to 0.7 of the slow conv3d's time at C32 to C64 over 32 to 48 px, and 2.1
+        to 3.2 of it at C128 to C512 over 8 x 8 px (a rank's rows of LTX-Video's deepest
+        decoder convs, H sharded), where oneDNN copies the whole weight for each tap's
+        few positions. In inference such a window runs oneDNN's conv3d directly (`_conv`),
+        taps or not: no trial.
+
+        Otherwise, on CPU (eager c10d, not deterministic mode) the overlapped conv and
+        exchange-first are timed once, as `cudnn.benchmark` does: no engine moves the
+        halo beside the conv there, and which formulation runs faster depends on the
+        shape (2 frames of C256 exchanged first: 0.58 of the chunk's own padded conv; 8
+        frames of C64 48x48: 1.03 of the overlapped conv). Exchange-first, whose backward
+        holds a copy of the chunk, must be `_EXCHANGE_FIRST_MARGIN` faster. Elsewhere
+        (GPUs, where the halo travels beside the conv; compiled, simulated, deterministic)
+        it overlaps, or exchanges first tap by tap where `_taps_everywhere`.
+
+        Every rank takes the same choice: it is called once the exchange has agreed on the
+        signature (so every rank looks the choice up alike), the settings each rank reads
+        for it (memory format, deterministic mode) ride in one small gather at the first
+        call, and a trial's times are summed over ranks from a gather."""
         x = site.local
         key = (site.shape, x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad)
         if key not in self.chosen:
             timed = (_comm.is_eager(x) and x.device.type == "cpu"
                      and not torch.are_deterministic_algorithms_enabled())
-            # where torch would run the conv3d on its slow path, exchanging first runs it as
-            # conv2ds, far faster than the chunk's own slow conv: no trial needed
+            # where torch would run the conv3d on its slow path, exchanging first runs it
+            # without the chunk's own slow conv: no trial of the overlapped conv
             taps = _taps_everywhere(module, site, plan)
             if _comm.is_eager(x):  # per-rank settings: agreed (one rank's would desync)
                 rows = _comm.gather_ints(torch.tensor([int(timed), int(taps)]),
                                          _comm.resolve_group((site.mesh, site.axis)),
                                          what="choice of formulation")
                 timed, taps = all(r[0] for r in rows), all(r[1] for r in rows)
-            self.chosen[key] = not taps and (
-                not timed or self.faster_overlapped(module, site, run, key))
+            if taps:
+                graph = grad_asked(x, module.weight, module.bias)
+                self.chosen[key] = Choice(False, not timed or not graph or _sum_first(
+                    self.timed(module, site, run, key, Choice(False), Choice(False, False))))
+            else:
+                self.chosen[key] = Choice(not timed or _overlap_kept(
+                    self.timed(module, site, run, key, Choice(True), Choice(False))))
         return self.chosen[key]
 
-    def faster_overlapped(self, module: nn.Module, site: Any, run: TrialRun, key: Any
-                          ) -> bool:
-        """Time both formulations, forward and (where this call builds a graph) backward,
-        in this process's CPU time (ranks sharing cores wait for each other, which wall
-        time would count): an untimed warm-up, then rounds alternating which leads, as many
-        as fill `_TRIAL_SECONDS` per formulation at the slowest rank's warm-up pace
+    def timed(self, module: nn.Module, site: Any, run: TrialRun, key: Any, first: Choice,
+              second: Choice) -> list[list[int]]:
+        """Every rank's fastest `(first, second)` times (us), from one gather: both
+        formulations timed forward and (where this call builds a graph) backward, in this
+        process's CPU time (ranks sharing cores wait for each other, which wall time would
+        count): an untimed warm-up, then rounds alternating which leads, as many as fill
+        `_TRIAL_SECONDS` per formulation at the slowest rank's warm-up pace
         (`_TRIAL_ROUNDS` to `_TRIAL_MAX_ROUNDS`, agreed by one gather: every rank runs the
         same moves). They run on detached copies of the input and parameters: no gradient
         reaches the model, and no tensor hook or saved-tensor hook (FSDP, checkpointing,
         offloading) sees the trial. Each formulation's fastest round counts (contention
-        only adds time), summed over ranks from a second gather: every rank takes the same
-        choice (their backward collectives must match)."""
+        only adds time)."""
         x = site.local
         group = _comm.resolve_group((site.mesh, site.axis))
 
-        def step(whole: bool) -> int:
+        def step(choice: Choice) -> int:
             start = time.process_time()
             leaf = x.detach().requires_grad_(x.requires_grad)  # the agreed signature
             params = [p if p is None else p.detach().requires_grad_(p.requires_grad)
                       for p in (module.weight, module.bias)]
-            y = run(leaf, params, whole)
+            y = run(leaf, params, choice)
             inputs = [t for t in (leaf, *params) if t is not None and t.requires_grad]
             if y.requires_grad and inputs:
                 torch.autograd.grad(y, inputs, y.detach())
@@ -146,19 +175,18 @@ class ConvChoice:
         # sees what the trial saves (a recomputed forward, which runs no trial, must save
         # what the original did).
         with torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            warm = _comm.gather_ints(torch.tensor([step(False), step(True)]), group,
+            warm = _comm.gather_ints(torch.tensor([step(first), step(second)]), group,
                                      what="trial of formulations")
             pace = max(max(row) for row in warm)
             rounds = min(max(math.ceil(_TRIAL_SECONDS * 1e6 / pace), _TRIAL_ROUNDS),
                          _TRIAL_MAX_ROUNDS)
-            times: dict[bool, list[int]] = {False: [], True: []}
+            times: dict[Choice, list[int]] = {first: [], second: []}
             for i in range(rounds):
-                for whole in (False, True) if i % 2 == 0 else (True, False):
-                    times[whole].append(step(whole))
+                for choice in (first, second) if i % 2 == 0 else (second, first):
+                    times[choice].append(step(choice))
         self.trials[key] = rounds
-        mine = torch.tensor([min(times[False]), min(times[True])])
-        return _overlap_kept(_comm.gather_ints(mine, group, what="choice of formulation"))
-
+        mine = torch.tensor([min(times[first]), min(times[second])])
+        return _comm.gather_ints(mine, group, what="choice of formulation")
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -178,13 +206,25 @@ def _overlap_kept(rows: list[list[int]]) -> bool:
     return first >= (1 - _EXCHANGE_FIRST_MARGIN) * sum(r[0] for r in rows)
 
 
+def _sum_first(rows: list[list[int]]) -> bool:
+    """From every rank's `(first, second)` fastest trial times: whether the first is no
+    slower summed over ranks.
+
+    Example::
+        >>> _sum_first([[100, 95], [100, 110]]), _sum_first([[100, 95], [100, 100]])
+        (True, False)
+    """
+    return sum(r[0] for r in rows) <= sum(r[1] for r in rows)
+
+
 def _taps_everywhere(module: nn.Module, site: Any, plan: WindowPlan) -> bool:
-    """Whether exchanging first runs this conv3d tap by tap on every rank: torch would
+    """Whether exchanging first can run this conv3d tap by tap on every rank: torch would
     convolve even the longest chunk's window on its slow path (`halo_conv`'s `by_taps`,
     from the global shape, so every rank takes the same choice). There the chunk's own
     padded conv3d, the overlapped formulation's, is on that slow path too: exchange-first
     measured 0.19 to 0.86 of its time (`benchmarks.matrix`, the shapes it takes), with no
-    trial at the first call, and in deterministic mode too (the rule reads only shapes)."""
+    trial of the overlapped conv, and in deterministic mode too (the rule reads only
+    shapes)."""
     x = site.local
     if not taps_layout(x):
         return False
@@ -222,7 +262,8 @@ def by_taps(x: torch.Tensor, weight: torch.Tensor, args: Any) -> bool:
     oneDNN runs it. Measured fwd+bwd, 1 thread, against the chunk's own padded conv3d:
     0.30 to 0.63 of its time (C32 to C128, 2 to 16 frames, 32x32 to 64x64), where the
     window's conv3d took 0.95 to 1.21; where oneDNN runs the window (C256 T2, C128 T8
-    64x64, bf16) it stays: the taps took 1.04 to 1.33 of its time there."""
+    64x64, bf16) it stays: the taps took 1.04 to 1.33 of its time there. A layer's choice
+    (`Choice.taps`, timed) may keep the window's conv3d where the taps cost more."""
     length = x.shape[args.dim]
     if not taps_layout(x) or not isinstance(length, int) or length < 1 or args.spare:
         return False

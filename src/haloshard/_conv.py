@@ -30,7 +30,15 @@ from typing import Any
 import torch
 from einops import rearrange
 
-from haloshard._choice import CORRECTED, SPLIT, by_taps, formulation, grad_asked, onednn_kernel
+from haloshard._choice import (
+    CORRECTED,
+    SPLIT,
+    Choice,
+    by_taps,
+    formulation,
+    grad_asked,
+    onednn_kernel,
+)
 from haloshard._comm import GroupLike, Pending
 from haloshard._compat import onednn_convolution
 from haloshard._errors import HaloError
@@ -74,6 +82,7 @@ class _ConvArgs:
     groups: int
     path: str  # CORRECTED, SPLIT or WHOLE (`_choice.formulation`)
     spare: bool  # some rank's chunk is empty: every rank convolves one spare zero slice more
+    tap_window: bool = True  # an exchanged window may run tap by tap (`_choice.by_taps`)
 
     @property
     def reach(self) -> int:
@@ -365,11 +374,10 @@ class _HaloConv(_Formulated):
         else:
             # An empty chunk would ask the conv for zero outputs, which it refuses: one zero
             # slice more gives it one output, dropped again (and its gradient is zero).
-            ctx.taps = by_taps(x, weight, args)
+            slow = by_taps(x, weight, args)
             # in inference, oneDNN's kernel on the window where torch would take its slow path
-            direct = (ctx.taps and not any(ctx.needs_input_grad)
-                      and onednn_kernel(x, weight, bias))
-            ctx.taps = ctx.taps and not direct
+            direct = slow and not any(ctx.needs_input_grad) and onednn_kernel(x, weight, bias)
+            ctx.taps = slow and args.tap_window and not direct
             if direct:
                 y = onednn_convolution(move.assemble(x, moved), weight, bias, args.padding,
                                        args.stride, args.dilation, args.groups)
@@ -660,7 +668,7 @@ def halo_conv(
     padding: int | tuple[int, ...] = 0, dilation: int | tuple[int, ...] = 1, groups: int = 1,
     pad: str = "zeros", transport: str | None = None, global_length: int | None = None,
     overlap: bool = True, _reuse: Reuse | None = None, _path: str | None = None,
-    _choose: Callable[[], bool] | None = None,
+    _choose: Callable[[], Choice] | None = None,
 ) -> torch.Tensor:
     """`F.conv1d/2d/3d` on a `Shard(dim)` chunk, padded along `dim` by the halo.
 
@@ -682,8 +690,9 @@ def halo_conv(
             exchanging first, for all ranks alike. False always exchanges first.
         _path: force a formulation (`CORRECTED`, `SPLIT` or `WHOLE`; for measurements);
             one that does not fit the chunks falls back as above.
-        _choose: decides `overlap` once the exchange has agreed (haloshard's layers: the
-            choice must be looked up alike on every rank).
+        _choose: decides `overlap` (and whether an exchanged window may run tap by tap)
+            once the exchange has agreed (haloshard's layers: the choice must be looked up
+            alike on every rank).
 
     Returns:
         This rank's `Shard(dim)` chunk of the global convolution's output.
@@ -708,7 +717,7 @@ def conv_call(
     padding: int | tuple[int, ...] = 0, dilation: int | tuple[int, ...] = 1, groups: int = 1,
     pad: str = "zeros", transport: str | None = None, global_length: int | None = None,
     overlap: bool = True, _reuse: Reuse | None = None, _path: str | None = None,
-    _choose: Callable[[], bool] | None = None,
+    _choose: Callable[[], Choice] | None = None, _taps: bool = True,
 ) -> ConvCall:
     """`halo_conv`'s agreement (every rank at once) and choice of formulation, not run yet:
     the call `halo_conv` runs (`ConvCall.apply`), which haloshard's layers run on a DTensor
@@ -718,9 +727,9 @@ def conv_call(
                                  global_length=global_length, problem=problem, reuse=_reuse)
     assert args is not None  # a problem raised on every rank in prepare_halo
     if _choose is not None and move is not None:  # agreed: every rank chooses alike
-        overlap = _choose()
+        overlap, _taps = _choose()
     path = formulation(overlap, _path, min(lengths), left, right)
-    conv_args = _ConvArgs(dim, left, right, *args, groups, path, min(lengths) == 0)
+    conv_args = _ConvArgs(dim, left, right, *args, groups, path, min(lengths) == 0, _taps)
     return ConvCall(move, conv_args)
 
 

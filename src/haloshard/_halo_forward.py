@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from haloshard import _comm, _segments
 from haloshard._agree import padded_reuse
 from haloshard._annotation import Annotation
-from haloshard._choice import ConvChoice, TrialRun, overlappable
+from haloshard._choice import Choice, ConvChoice, TrialRun, overlappable
 from haloshard._compat import (
     enabled_local_tensor_mode,
     maybe_run_for_local_tensor,
@@ -121,7 +121,7 @@ class HaloForward(ShardedForward):
             mesh: used for plain-tensor inputs (1-D); DTensor inputs bring their own mesh.
             overlap: run stride-1 convs that keep the length as `halo_conv`, which
                 convolves the chunk while the halo is in flight; False exchanges first;
-                None chooses per input signature (see `_choice.ConvChoice.overlaps`).
+                None chooses per input signature (see `_choice.ConvChoice.choose`).
             local: how the module runs on its window, `local(forward, window, *args,
                 **kwargs)`; None calls `forward(window, *args, **kwargs)`.
 
@@ -200,8 +200,8 @@ class HaloForward(ShardedForward):
             # function whose backward never holds the window and its gradient at once
             # chosen once the exchange has agreed (every rank then holds one signature)
             choose = None if self.overlap is not None else (
-                lambda: self.choice.overlaps(self.module, site, plan,
-                                             self.conv_run(site, plan, reuse)))
+                lambda: self.choice.choose(self.module, site, plan,
+                                           self.conv_run(site, plan, reuse)))
             # compiled, the conv and DTensor's own autograd nodes trace as usual
             if isinstance(x, DTensor) and not torch.compiler.is_compiling():
                 return self.conv_on_dtensor(x, site, plan, reuse, choose,
@@ -214,7 +214,7 @@ class HaloForward(ShardedForward):
         return with_spare(_output(y, site, plan, annotation), site)
 
     def conv_on_dtensor(self, x: DTensor, site: Site, plan: WindowPlan, reuse: Reuse,
-                        choose: Callable[[], bool] | None, *, steady: bool) -> Any:
+                        choose: Callable[[], Choice] | None, *, steady: bool) -> Any:
         """The conv as `halo_conv` on a DTensor, in one autograd node (`sharded_conv`);
         with `steady`, kept as the layer's steady state once its agreement is reused."""
         module = self.module
@@ -232,8 +232,8 @@ class HaloForward(ShardedForward):
         return out
 
     @property
-    def chosen(self) -> dict[Any, bool]:
-        """Overlapped or not, by global input signature (`ConvChoice`)."""
+    def chosen(self) -> dict[Any, Choice]:
+        """Overlapped or not, and taps or not, by global input signature (`ConvChoice`)."""
         return self.choice.chosen
 
     @property
@@ -243,10 +243,11 @@ class HaloForward(ShardedForward):
 
     def conv_run(self, site: Site, plan: WindowPlan, reuse: Reuse) -> TrialRun:
         """How the formulation trial runs this layer's conv on detached copies."""
-        def run(leaf: torch.Tensor, params: list[torch.Tensor | None], whole: bool
+        def run(leaf: torch.Tensor, params: list[torch.Tensor | None], choice: Choice
                 ) -> torch.Tensor:
             return _overlapped_conv(self.module, replace(site, local=leaf), plan,
-                                    self.annotation, reuse, whole=whole, params=params)
+                                    self.annotation, reuse, whole=not choice.overlap,
+                                    taps=choice.taps, params=params)
         return run
 
     def check_windows(self, y: Any, site: Site, plan: WindowPlan, reuse: Reuse) -> None:
@@ -540,19 +541,20 @@ def _fail_later_axes(site: Site, plans: list[tuple[int, int, WindowPlan]],
 
 def _overlapped_conv(module: nn.Module, site: Site, plan: WindowPlan,
                      annotation: Annotation, reuse: Reuse, *, whole: bool = False,
-                     params: list[torch.Tensor | None] | None = None,
-                     choose: Callable[[], bool] | None = None) -> torch.Tensor:
+                     taps: bool = True, params: list[torch.Tensor | None] | None = None,
+                     choose: Callable[[], Choice] | None = None) -> torch.Tensor:
     """The conv as `halo_conv`: the chunk's own conv runs while the halo travels (`whole`:
-    the conv of the exchanged window, `overlap=False`), with the module's weight and bias
-    or `params` in their place."""
-    x, call = _conv_call(module, site, plan, annotation, reuse, whole=whole, choose=choose)
+    the conv of the exchanged window, `overlap=False`, tap by tap where `taps` allows),
+    with the module's weight and bias or `params` in their place."""
+    x, call = _conv_call(module, site, plan, annotation, reuse, whole=whole, taps=taps,
+                         choose=choose)
     weight, bias = (module.weight, module.bias) if params is None else params
     return call.apply(x, weight, bias)
 
 
 def _conv_call(module: nn.Module, site: Site, plan: WindowPlan, annotation: Annotation,
-               reuse: Reuse, *, whole: bool, choose: Callable[[], bool] | None
-               ) -> tuple[torch.Tensor, ConvCall]:
+               reuse: Reuse, *, whole: bool, choose: Callable[[], Choice] | None,
+               taps: bool = True) -> tuple[torch.Tensor, ConvCall]:
     """The chunk the conv runs on and its agreed call (`conv_call`).
 
     A padding mode other than zeros pads the other dims first, as the module's own forward
@@ -568,7 +570,7 @@ def _conv_call(module: nn.Module, site: Site, plan: WindowPlan, annotation: Anno
                         right=plan.right, group=(site.mesh, site.axis), stride=module.stride,
                         padding=padding, dilation=module.dilation, groups=module.groups,
                         pad=annotation.stencil.pad, global_length=plan.length,
-                        overlap=not whole, _reuse=reuse, _choose=choose)
+                        overlap=not whole, _reuse=reuse, _choose=choose, _taps=taps)
 
 
 @contextmanager
