@@ -107,8 +107,8 @@ class ConvChoice:
         took 0.3 to 0.7 of the slow conv3d's time at C32 to C64 over 32 to 48 px, and 2.1
         to 3.2 of it at C128 to C512 over 8 x 8 px (a rank's rows of LTX-Video's deepest
         decoder convs, H sharded), where oneDNN copies the whole weight for each tap's
-        few positions. In inference such a window runs oneDNN's conv3d directly (`_conv`),
-        taps or not: no trial.
+        few positions. In inference there is no trial: such a window runs oneDNN's conv3d
+        directly where oneDNN takes its tensors (`_conv`), else tap by tap.
 
         Otherwise, on CPU (eager c10d, not deterministic mode) the overlapped conv and
         exchange-first are timed once, as `cudnn.benchmark` does: no engine moves the
@@ -121,8 +121,9 @@ class ConvChoice:
 
         Every rank takes the same choice: it is called once the exchange has agreed on the
         signature (so every rank looks the choice up alike), the settings each rank reads
-        for it (memory format, deterministic mode) ride in one small gather at the first
-        call, and a trial's times are summed over ranks from a gather."""
+        for it (memory format, deterministic mode, parameters requiring grad) ride in one
+        small gather at the first call, and a trial's times are summed over ranks from a
+        gather."""
         x = site.local
         key = (site.shape, x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad)
         if key not in self.chosen:
@@ -131,21 +132,21 @@ class ConvChoice:
             # where torch would run the conv3d on its slow path, exchanging first runs it
             # without the chunk's own slow conv: no trial of the overlapped conv
             taps = _taps_everywhere(module, site, plan)
+            graph = grad_asked(x, module.weight, module.bias)
             if _comm.is_eager(x):  # per-rank settings: agreed (one rank's would desync)
-                rows = _comm.gather_ints(torch.tensor([int(timed), int(taps)]),
+                rows = _comm.gather_ints(torch.tensor([int(timed), int(taps), int(graph)]),
                                          _comm.resolve_group((site.mesh, site.axis)),
                                          what="choice of formulation")
-                timed, taps = all(r[0] for r in rows), all(r[1] for r in rows)
+                timed, taps, graph = (all(r[i] for r in rows) for i in range(3))
             if taps:
-                graph = grad_asked(x, module.weight, module.bias)
                 self.chosen[key] = Choice(False, not timed or not graph or _sum_first(
-                    self.timed(module, site, run, key, Choice(False), Choice(False, False))))
+                    self.trial(module, site, run, key, Choice(False), Choice(False, False))))
             else:
                 self.chosen[key] = Choice(not timed or _overlap_kept(
-                    self.timed(module, site, run, key, Choice(True), Choice(False))))
+                    self.trial(module, site, run, key, Choice(True), Choice(False))))
         return self.chosen[key]
 
-    def timed(self, module: nn.Module, site: Any, run: TrialRun, key: Any, first: Choice,
+    def trial(self, module: nn.Module, site: Any, run: TrialRun, key: Any, first: Choice,
               second: Choice) -> list[list[int]]:
         """Every rank's fastest `(first, second)` times (us), from one gather: both
         formulations timed forward and (where this call builds a graph) backward, in this
