@@ -629,10 +629,10 @@ def test_dropped_pad_hands_the_window_over_simulated() -> None:
 
 
 def test_taps_everywhere_from_the_global_shape() -> None:
-    """`HaloParallel()` exchanges first with no trial where torch would convolve even the
-    longest chunk's window on its slow conv3d path: read from the global shape and the
-    conv's own arguments (the padding of the other dims applied first for a padding mode
-    other than zeros), so every rank decides alike."""
+    """`HaloParallel()` exchanges first, with no trial of the overlapped conv, where torch
+    would convolve even the longest chunk's window on its slow conv3d path: read from the
+    global shape and the conv's own arguments (the padding of the other dims applied first
+    for a padding mode other than zeros), so every rank decides alike."""
     from haloshard._choice import _taps_everywhere
     from haloshard._compat import maybe_disable_local_tensor_mode
     from haloshard._site import Site as _Site

@@ -266,7 +266,8 @@ def long_chunks() -> dict[str, Any]:
     rank, mesh = dist.get_rank(), worker_mesh(2)
     with single_device():
         torch.manual_seed(0)
-        # a conv1d: a float64 conv3d would exchange first with no trial (its slow path)
+        # a conv1d: a float64 conv3d (its slow path) would time its window tap by tap
+        # against its conv3d, not these two formulations
         conv = nn.Conv1d(2, 2, 3, padding=1).double()
         full = seeded_randn((1, 2, 32), 2).double()
         expected = conv(full).detach()
