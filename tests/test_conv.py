@@ -403,6 +403,31 @@ def test_halo_taps() -> None:
     assert halo_taps(1, 1, 1, 3) == ((0, 0, 0), (-1, 2, 1))
 
 
+@pytest.mark.simulated
+@pytest.mark.parametrize(("world", "length"), [(2, 8), (3, 2)])  # (3, 2): an empty chunk
+def test_exchange_first_output_takes_inplace_ops(world: int, length: int) -> None:
+    """Exchange-first's output is a tensor of its own, not a view of the window's conv
+    output: an in-place op after it (a model's `h.mul_(0.5)`) runs, and the gradients
+    match one device's (float64, exact but for the order of the sums)."""
+    with single_device():
+        gen = torch.Generator().manual_seed(5)
+        full = torch.randn(1, 2, length, generator=gen, dtype=torch.float64)
+        w = torch.randn(3, 2, 3, generator=gen, dtype=torch.float64)
+        ref_x, ref_w = full.clone().requires_grad_(), w.clone().requires_grad_()
+        ref = F.conv1d(ref_x, ref_w, padding=1)
+        ref.mul_(0.5)
+        ref.sum().backward()
+    with simulated_mesh(world) as mesh:
+        x = rank_map(mesh, lambda r: shard(full, 2, world, r).clone()).requires_grad_()
+        wl = w.clone().requires_grad_()
+        y = halo_conv(x, wl, dim=2, left=1, right=1, group=mesh, overlap=False)
+        y.mul_(0.5)
+        y.sum().backward()
+        assert_close_per_rank(y, lambda r: shard(ref.detach(), 2, world, r), mesh, **TOL)
+        assert_close_per_rank(x.grad, lambda r: shard(ref_x.grad, 2, world, r), mesh, **TOL)
+        torch.testing.assert_close(sum_over_ranks(wl.grad, mesh), ref_w.grad, **TOL)
+
+
 def test_bad_halo_for_kernel() -> None:
     with simulated_mesh(2) as mesh:
         x = rank_map(mesh, lambda r: torch.ones(1, 2, 4))

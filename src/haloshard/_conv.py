@@ -388,7 +388,10 @@ class _HaloConv(_Formulated):
             else:
                 buf = move.assemble(x, moved,
                                     torch.sym_max(0, 1 - length) if args.spare else None)
-                y = args.conv(buf, weight, bias).narrow(dim, 0, length)
+                y = args.conv(buf, weight, bias)
+                if args.spare:  # its spare output dropped; a fresh tensor, not a view (a
+                    # Function's output that is a view refuses in-place ops after it)
+                    y = y.narrow(dim, 0, length).clone()
             # Backward rebuilds the window from the chunk and its halo slices: kept whole,
             # it would hold a copy of the chunk beside the chunk itself.
             windows = (_halo_slices(buf, args, length),) if any(ctx.needs_input_grad) else ()
