@@ -54,6 +54,8 @@ Columns, per shape (time over the floor's):
 - `layer ms`: the halo layer's own fixed cost per step, `fixed ms` less `wrap ms`, paired
   round by round (the median over rounds of `(default - exact) - (floor+wrap - floor)`):
   on the tiny row, what one more halo layer adds to a model's step (target: at most 1 ms).
+  Each round of the tiny row times 20 steps in a row (`Case.reps`; ms per step reported):
+  its single step, about 2 ms here, is at the scale of the timer's and scheduler's noise.
 
 The device follows the mesh: on a machine with GPUs (`--device cuda`) the same script runs on
 NCCL. Ratios, not times: absolute times on a 2-core VM vary by 3% or more between runs.
@@ -106,6 +108,9 @@ class Case(NamedTuple):
     k: int
     causal: bool
     dtype: torch.dtype = torch.float32
+    # steps timed together per round (ms per step reported): a tiny layer's single step
+    # (about 2 ms here) is at the scale of the timer's and the scheduler's noise
+    reps: int = 1
 
     @property
     def name(self) -> str:
@@ -150,7 +155,7 @@ def matrix(full: bool) -> list[Case]:
         Case("conv3d", 64, 16, (48, 48), 3, False, torch.bfloat16),
         # tiny: the conv itself takes well under 1 ms, so `fixed ms` is the fixed cost
         # (`layer ms` the halo layer's own)
-        Case("conv1d", 8, 64, (), 3, False),
+        Case("conv1d", 8, 64, (), 3, False, reps=20),
     ]
     if full:
         cases += [Case("conv3d", c, t, (s, s), 3, causal)
@@ -346,8 +351,9 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
         for name in names[i % len(names):] + names[: i % len(names)]:  # each leads in turn
             dist.barrier()
             start = time.perf_counter()
-            steps[name]()
-            times[name].append((time.perf_counter() - start) * 1e3)
+            for _ in range(case.reps):
+                steps[name]()
+            times[name].append((time.perf_counter() - start) * 1e3 / case.reps)
     with _Count() as count:
         steps["default"]()
     slice_bytes = row * full.element_size()
