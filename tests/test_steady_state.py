@@ -365,6 +365,55 @@ def test_window_tap_by_tap_or_whole(gloo: Callable[[int], Any]) -> None:
     assert results[0]["chosen"] == results[1]["chosen"]  # every rank took the same choice
 
 
+def one_frame_taps_take_inplace_ops() -> dict[str, Any]:
+    """A float64 conv3d on one frame a rank, its window tap by tap, then an in-place op on
+    its output: the output is a tensor of its own (a one-frame chunk's rearranged taps
+    output was already contiguous, and `contiguous()` returned the view), exact against one
+    device (output, input, weight and bias gradients)."""
+    from haloshard import _conv
+    from haloshard._conv import conv_call
+
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    with single_device():
+        torch.manual_seed(0)
+        conv = nn.Conv3d(3, 4, 3, padding=1).double()
+        full = seeded_randn((1, 3, 2, 5, 5), 3).double().requires_grad_()
+        upstream = seeded_randn((1, 4, 2, 5, 5), 4).double()
+        want = conv(full).mul_(0.5)
+        (want * upstream).sum().backward()
+        expected = [full.grad, conv.weight.grad, conv.bias.grad]
+    calls = {"taps": 0}
+    taps_conv = _conv._taps_conv
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls["taps"] += 1
+        return taps_conv(*args)
+
+    _conv._taps_conv = counted
+    try:
+        leaf = shard(full.detach(), 2, 2, rank).clone().requires_grad_()
+        weight, bias = (p.detach().clone().requires_grad_() for p in conv.parameters())
+        y = conv_call(leaf, weight, bias, dim=2, left=1, right=1, group=mesh,
+                      padding=(0, 1, 1), overlap=False, _taps=True).apply(leaf, weight, bias)
+        y.mul_(0.5)
+        (y * shard(upstream, 2, 2, rank)).sum().backward()
+    finally:
+        _conv._taps_conv = taps_conv
+    weight_grad, bias_grad = (t.clone() for t in (weight.grad, bias.grad))
+    dist.all_reduce(weight_grad)
+    dist.all_reduce(bias_grad)
+    got = [y, leaf.grad, weight_grad, bias_grad]
+    ref = [shard(want.detach(), 2, 2, rank), shard(expected[0], 2, 2, rank), *expected[1:]]
+    return {"taps": calls["taps"],
+            "error": max((a - b).abs().max().item() for a, b in zip(got, ref, strict=True))}
+
+
+@pytest.mark.gloo
+def test_one_frame_taps_take_inplace_ops(gloo: Callable[[int], Any]) -> None:
+    for got in gloo(2).run(one_frame_taps_take_inplace_ops, timeout=120):
+        assert got["taps"] == 1 and got["error"] <= 1e-12, got  # float64: exact
+
+
 def test_exchange_first_only_when_clearly_faster() -> None:
     from haloshard._choice import _overlap_kept
 

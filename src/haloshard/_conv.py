@@ -563,7 +563,11 @@ def _taps_conv(frames: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         y = out if y is None else y.add_(out)
     assert y is not None
     full, rest = _axes(dim)
-    return rearrange(y, f"(t b) c {rest} -> {full}", t=length).contiguous()
+    # always a copy: `contiguous()` returns the rearranged view itself when it is already
+    # contiguous (a one-frame chunk), and a Function's output that is a view refuses
+    # in-place ops after it
+    return rearrange(y, f"(t b) c {rest} -> {full}", t=length).clone(
+        memory_format=torch.contiguous_format)
 
 
 def _taps_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
