@@ -296,14 +296,47 @@ def test_trial_leaves_no_gradient(gloo: Callable[[int], Any]) -> None:
         assert got["error"] <= 1e-12, got
 
 
+def _exchanged_first(conv: nn.Module, full: torch.Tensor, upstream: torch.Tensor,
+                     reference: list[torch.Tensor], mesh: Any, *, taps: bool,
+                     scale: float | None = None) -> tuple[float, int]:
+    """One step of `conv` exchanged first on this rank's shard of `full` (its window tap by
+    tap where `taps`; then `y.mul_(scale)` in place where given), backward from `upstream`:
+    the largest difference to `reference` (one device's output, input, weight and bias
+    gradients) and how many times the taps ran."""
+    from haloshard import _conv
+    from haloshard._conv import conv_call
+
+    rank, calls, taps_conv = dist.get_rank(), [0], _conv._taps_conv
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls[0] += 1
+        return taps_conv(*args)
+
+    _conv._taps_conv = counted
+    try:
+        leaf = shard(full.detach(), 2, 2, rank).clone().requires_grad_()
+        weight, bias = (p.detach().clone().requires_grad_() for p in conv.parameters())
+        y = conv_call(leaf, weight, bias, dim=2, left=1, right=1, group=mesh,
+                      padding=(0, 1, 1), overlap=False, _taps=taps).apply(leaf, weight, bias)
+        if scale is not None:
+            y.mul_(scale)
+        (y * shard(upstream, 2, 2, rank)).sum().backward()
+    finally:
+        _conv._taps_conv = taps_conv
+    weight_grad, bias_grad = (t.clone() for t in (weight.grad, bias.grad))
+    dist.all_reduce(weight_grad)
+    dist.all_reduce(bias_grad)
+    got = [y, leaf.grad, weight_grad, bias_grad]
+    want, input_grad, *param_grads = reference
+    ref = [shard(want, 2, 2, rank), shard(input_grad, 2, 2, rank), *param_grads]
+    return max((a - b).abs().max().item() for a, b in zip(got, ref, strict=True)), calls[0]
+
+
 def taps_or_window() -> dict[str, Any]:
     """A float64 conv3d that torch convolves on its slow path, exchanged first: its window
     tap by tap (`_taps=True`) or as torch's conv3d (`_taps=False`), each exact against one
     device (output, input, weight and bias gradients); and `overlap=None` choosing between
     them by a trial at its first call with gradients."""
-    from haloshard import _conv
-    from haloshard._conv import conv_call
-
     rank, mesh = dist.get_rank(), worker_mesh(2)
     with single_device():
         torch.manual_seed(0)
@@ -313,32 +346,10 @@ def taps_or_window() -> dict[str, Any]:
         (conv(full) * upstream).sum().backward()
         expected = [full.grad, conv.weight.grad, conv.bias.grad]
         want = conv(full).detach()
-    calls = {"taps": 0}
-    taps_conv = _conv._taps_conv
-
-    def counted(*args: Any) -> torch.Tensor:
-        calls["taps"] += 1
-        return taps_conv(*args)
-
-    _conv._taps_conv = counted
     errors, used = {}, {}
-    try:
-        for taps in (True, False):
-            leaf = shard(full.detach(), 2, 2, rank).clone().requires_grad_()
-            weight, bias = (p.detach().clone().requires_grad_() for p in conv.parameters())
-            before = calls["taps"]
-            y = conv_call(leaf, weight, bias, dim=2, left=1, right=1, group=mesh,
-                          padding=(0, 1, 1), overlap=False, _taps=taps).apply(leaf, weight, bias)
-            (y * shard(upstream, 2, 2, rank)).sum().backward()
-            weight_grad, bias_grad = (t.clone() for t in (weight.grad, bias.grad))
-            dist.all_reduce(weight_grad)
-            dist.all_reduce(bias_grad)
-            got = [y, leaf.grad, weight_grad, bias_grad]
-            ref = [shard(want, 2, 2, rank), shard(expected[0], 2, 2, rank), *expected[1:]]
-            errors[taps] = max((a - b).abs().max().item() for a, b in zip(got, ref, strict=True))
-            used[taps] = calls["taps"] - before
-    finally:
-        _conv._taps_conv = taps_conv
+    for taps in (True, False):
+        errors[taps], used[taps] = _exchanged_first(conv, full, upstream, [want, *expected],
+                                                    mesh, taps=taps)
     layer = nn.Conv3d(3, 4, 3, padding=1).double()
     layer.load_state_dict(conv.state_dict())
     parallelize_module(layer, mesh, HaloParallel())
@@ -370,10 +381,6 @@ def one_frame_taps_take_inplace_ops() -> dict[str, Any]:
     its output: the output is a tensor of its own (a one-frame chunk's rearranged taps
     output was already contiguous, and `contiguous()` returned the view), exact against one
     device (output, input, weight and bias gradients)."""
-    from haloshard import _conv
-    from haloshard._conv import conv_call
-
-    rank, mesh = dist.get_rank(), worker_mesh(2)
     with single_device():
         torch.manual_seed(0)
         conv = nn.Conv3d(3, 4, 3, padding=1).double()
@@ -381,31 +388,10 @@ def one_frame_taps_take_inplace_ops() -> dict[str, Any]:
         upstream = seeded_randn((1, 4, 2, 5, 5), 4).double()
         want = conv(full).mul_(0.5)
         (want * upstream).sum().backward()
-        expected = [full.grad, conv.weight.grad, conv.bias.grad]
-    calls = {"taps": 0}
-    taps_conv = _conv._taps_conv
-
-    def counted(*args: Any) -> torch.Tensor:
-        calls["taps"] += 1
-        return taps_conv(*args)
-
-    _conv._taps_conv = counted
-    try:
-        leaf = shard(full.detach(), 2, 2, rank).clone().requires_grad_()
-        weight, bias = (p.detach().clone().requires_grad_() for p in conv.parameters())
-        y = conv_call(leaf, weight, bias, dim=2, left=1, right=1, group=mesh,
-                      padding=(0, 1, 1), overlap=False, _taps=True).apply(leaf, weight, bias)
-        y.mul_(0.5)
-        (y * shard(upstream, 2, 2, rank)).sum().backward()
-    finally:
-        _conv._taps_conv = taps_conv
-    weight_grad, bias_grad = (t.clone() for t in (weight.grad, bias.grad))
-    dist.all_reduce(weight_grad)
-    dist.all_reduce(bias_grad)
-    got = [y, leaf.grad, weight_grad, bias_grad]
-    ref = [shard(want.detach(), 2, 2, rank), shard(expected[0], 2, 2, rank), *expected[1:]]
-    return {"taps": calls["taps"],
-            "error": max((a - b).abs().max().item() for a, b in zip(got, ref, strict=True))}
+        reference = [want.detach(), full.grad, conv.weight.grad, conv.bias.grad]
+    error, taps = _exchanged_first(conv, full, upstream, reference, worker_mesh(2), taps=True,
+                                   scale=0.5)
+    return {"taps": taps, "error": error}
 
 
 @pytest.mark.gloo
