@@ -33,6 +33,16 @@ def pytest_configure(config: pytest.Config) -> None:
         "version, for a limit of torch's own that the reason names")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that runs gloo processes in one xdist group (`--dist loadgroup`): they
+    run one after another on one worker, sharing its session's worlds (started once, as
+    without xdist), while the single-process tests share out over the workers."""
+    for item in items:
+        if item.get_closest_marker("gloo") or "gloo" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("gloo"))
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """`@pytest.mark.requires_torch("2.13", reason=...)`: torch's limit, not haloshard's."""
     for mark in item.iter_markers("requires_torch"):
