@@ -31,6 +31,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "requires_torch(version, reason): skip on a torch release older than "
         "version, for a limit of torch's own that the reason names")
+    # pytest-xdist's own marker, registered here too for a run without xdist (another
+    # torch's venv, `-p no:xdist`), where the gloo tests still get it (below)
+    config.addinivalue_line("markers", "xdist_group(name): tests xdist runs on one worker")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
