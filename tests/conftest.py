@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -36,11 +37,26 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "xdist_group(name): tests xdist runs on one worker")
 
 
+# An object's default repr in a test id (`<function f at 0x7f...>`) differs from one process to
+# the next: xdist's workers then collect different ids and the run stops at collection.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test that runs gloo processes in one xdist group (`--dist loadgroup`): they
     run one after another on one worker, sharing its session's worlds (started once, as
-    without xdist), while the single-process tests share out over the workers."""
+    without xdist), while the single-process tests share out over the workers.
+
+    A test id holding a memory address stops a run without xdist at collection, naming
+    the tests, so that a developer's run finds what would break xdist's collection only
+    when the workers' addresses happen to differ (xdist's own message then shows the ids).
+    """
+    addressed = [item.nodeid for item in items if _ADDRESS.search(item.nodeid)]
+    if addressed and "PYTEST_XDIST_WORKER" not in os.environ:
+        raise pytest.UsageError(
+            f"test ids hold memory addresses, which differ between xdist's workers: "
+            f"{addressed[:3]}; give these parameters ids (pytest.param(..., id=...))")
     for item in items:
         if item.get_closest_marker("gloo") or "gloo" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("gloo"))
