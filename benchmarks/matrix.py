@@ -55,7 +55,13 @@ Columns, per shape (time over the floor's):
   round by round (the median over rounds of `(default - exact) - (floor+wrap - floor)`):
   on the tiny row, what one more halo layer adds to a model's step (target: at most 1 ms).
   Each round of the tiny row times 20 steps in a row (`Case.reps`; ms per step reported):
-  its single step, about 2 ms here, is at the scale of the timer's and scheduler's noise.
+  its single step, about 2 ms here, is at the scale of the timer's and scheduler's noise;
+- `layer cpu`: `layer ms` on each rank's main-thread CPU time (`time.thread_time`), the
+  same pairing: the library's own work per step, without the time its rank spends waiting
+  for the halo; the rest of `layer ms` is waiting (on the wire, and on a 2-core machine
+  on the gloo threads' turn at a core). Both move between runs of the same code on a
+  shared machine (here on the tiny row `layer ms` 0.61 to 1.33, `layer cpu` 0.42 to 0.79,
+  18 runs).
 
 The device follows the mesh: on a machine with GPUs (`--device cuda`) the same script runs on
 NCCL. Ratios, not times: absolute times on a 2-core VM vary by 3% or more between runs.
@@ -346,14 +352,16 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
     for step in steps.values():  # untimed: plans, buffers, first collectives, the heap
         step()
     times: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}  # this thread's CPU time
     names = list(steps)
     for i in range(iters):  # round-robin: a busy spell of the machine hits every step alike
         for name in names[i % len(names):] + names[: i % len(names)]:  # each leads in turn
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             for _ in range(case.reps):
                 steps[name]()
             times[name].append((time.perf_counter() - start) * 1e3 / case.reps)
+            cpu[name].append((time.thread_time() - start_cpu) * 1e3 / case.reps)
     with _Count() as count:
         steps["default"]()
     slice_bytes = row * full.element_size()
@@ -362,7 +370,7 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
     halo = (sum(plan.send_splits) + sum(plan.recv_splits)) * slice_bytes
     peaks = {name: peak_bytes(steps[name])[0]
              for name in ("floor", "default", "overlap", "no overlap", *raw_steps)}
-    return {"ms": times,
+    return {"ms": times, "cpu": cpu,
             "sent": count.sent / halo if halo else float("nan"), "meta": count.meta,
             "peak": peaks, "halo": (left + right) * slice_bytes,
             # the default's choice (a causal wrapper always exchanges first)
@@ -373,9 +381,10 @@ def rank_case(fields: tuple[Any, ...], iters: int, device: str) -> dict[str, Any
 _SHORT = {"overlap": "ovl", "no overlap": "xf"}
 
 
-def _slowest(ranks: list[dict[str, Any]], name: str) -> list[float]:
-    """`name`'s time per round, a round's time being its slowest rank's (ms)."""
-    return [max(r) for r in zip(*(rank["ms"][name] for rank in ranks), strict=True)]
+def _slowest(ranks: list[dict[str, Any]], name: str, clock: str = "ms") -> list[float]:
+    """`name`'s time per round, a round's time being its slowest rank's (ms): wall time
+    (`clock="ms"`) or the rank's main-thread CPU time (`"cpu"`)."""
+    return [max(r) for r in zip(*(rank[clock][name] for rank in ranks), strict=True)]
 
 
 def _fixed_ms(ranks: list[dict[str, Any]], name: str, plain: str) -> float:
@@ -387,12 +396,13 @@ def _fixed_ms(ranks: list[dict[str, Any]], name: str, plain: str) -> float:
         a - b for a, b in zip(_slowest(ranks, name), _slowest(ranks, plain), strict=True))
 
 
-def _layer_ms(ranks: list[dict[str, Any]], plain: str) -> float:
+def _layer_ms(ranks: list[dict[str, Any]], plain: str, clock: str = "ms") -> float:
     """The halo layer's own fixed cost per step, in ms: the default's time over `plain`'s
     less the step's DTensor wrapping over the floor, in the same round, the median over
-    rounds (the wrapping is the user's, once per model step, not per halo layer)."""
-    per_round = zip(*(_slowest(ranks, n) for n in ("default", plain, "floor+wrap", "floor")),
-                    strict=True)
+    rounds (the wrapping is the user's, once per model step, not per halo layer); on the
+    wall clock, or (`clock="cpu"`) on each rank's main-thread CPU time."""
+    per_round = zip(*(_slowest(ranks, n, clock)
+                      for n in ("default", plain, "floor+wrap", "floor")), strict=True)
     return statistics.median((d - p) - (w - f) for d, p, w, f in per_round)
 
 
@@ -430,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'chosen/best':>11} {'in limit':>8} {'dflt/chsn':>9} {'taps':>6} {'fl+mv':>6} "
           f"{'exact':>6} {'dflt/exact':>10} {'sent/halo':>10} {'meta':>5} {'peak/floor':>11} "
           f"{'pk ovl':>7} {'pk xf':>6} {'pk exact':>8} {'limit':>6} {'fixed ms':>8} "
-          f"{'wrap ms':>7} {'layer ms':>8}")
+          f"{'wrap ms':>7} {'layer ms':>8} {'layer cpu':>9}")
     worst = worst_best = worst_fit = worst_exact = ("", 0.0)
     with GlooWorld(args.ranks, timeout=3600) as gloo:
         for case in cases:
@@ -476,7 +486,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{peak_xf:>6.3f} {peak_exact:>8.3f} {limit:>6.3f} "
                   f"{_fixed_ms(ranks, 'default', best_raw):>8.3f} "
                   f"{_fixed_ms(ranks, 'floor+wrap', 'floor'):>7.3f} "
-                  f"{_layer_ms(ranks, best_raw):>8.3f}")
+                  f"{_layer_ms(ranks, best_raw):>8.3f} "
+                  f"{_layer_ms(ranks, best_raw, 'cpu'):>9.3f}")
     print(f"worst default / floor: {worst[1]:.3f} ({worst[0]}); worst chosen / best: "
           f"{worst_best[1]:.3f} ({worst_best[0]}); worst chosen / best within the memory "
           f"limit: {worst_fit[1]:.3f} ({worst_fit[0]}); worst default / best plain exact: "

@@ -1,6 +1,6 @@
 """`python -m benchmarks.matrix` runs end to end on its tiny row (so it never rots, on every
 supported torch: its collective counter follows c10d's names), and prints the columns its
-docstring names, `fixed ms`, `wrap ms` and `layer ms` included."""
+docstring names, `fixed ms`, `wrap ms`, `layer ms` and `layer cpu` included."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def test_matrix_tiny_row(capsys: pytest.CaptureFixture[str]) -> None:
     matrix.main(["--only", "C8 T64", "--iters", "2", "--ranks", "2"])
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("shape"))
-    assert header.split()[-6:] == ["fixed", "ms", "wrap", "ms", "layer", "ms"]
+    assert header.split()[-8:] == ["fixed", "ms", "wrap", "ms", "layer", "ms", "layer", "cpu"]
     row = next(line for line in out.splitlines() if line.startswith("conv1d C8 T64"))
     cols = row.split()
     # the halo layer sends only halo bytes (plus its flag row's share on a tiny layer) and
     # no metadata collective in steady state
-    assert float(cols[-10]) < 1.1 and cols[-9] == "0", row
+    assert float(cols[-11]) < 1.1 and cols[-10] == "0", row
