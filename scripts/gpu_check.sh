@@ -9,7 +9,9 @@
 #       instead: the P = 4 training steps on that machine's CPU cores, one core a rank (gloo;
 #       `benchmarks.vae --floor --floor-plus`, HunyuanVideo at 48 px and Mochi at 32 px, about
 #       6 minutes): the compute target at P = 4 without the 4-processes-on-2-cores contention
-#       of the CI machine (benchmarks/README.md, "P = 4 training on 2 cores")
+#       of the CI machine (benchmarks/README.md, "P = 4 training on 2 cores"); first, three
+#       runs of `benchmarks.matrix`'s tiny row (2 ranks, about 10 s each): a halo layer's
+#       fixed cost per step with a free core for every rank's main and gloo threads
 #
 # Uses the machine's own python3 and torch (PYTHON= to pick another); diffusers and what it
 # needs beyond that image can come as wheels in .whl/ (installed to a temp target first).
@@ -37,8 +39,12 @@ export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 if [[ -n "${HALOSHARD_CPU4:-}" ]]; then
     nproc | tee -a "$out/machine.txt"
-    export MALLOC_MMAP_THRESHOLD_=65536
     status=0
+    for run in 1 2 3; do
+        timeout 90 "$python" -m benchmarks.matrix --iters 15 --only "conv1d C8 T64" 2>&1 \
+            | grep -v "^USDT" | tee -a "$out/tiny_row.log" || status=1
+    done
+    export MALLOC_MMAP_THRESHOLD_=65536
     for model in "hunyuan 48" "mochi 32"; do
         set -- $model
         timeout 280 "$python" -m benchmarks.vae --models "$1" --modes train --ranks 4 --dims 2 \
