@@ -49,8 +49,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     without xdist), while the single-process tests share out over the workers.
 
     A test id holding a memory address stops a run without xdist at collection, naming
-    the tests, so that a developer's run finds what would break xdist's collection only
-    when the workers' addresses happen to differ (xdist's own message then shows the ids).
+    the tests. Under xdist such ids break collection only in the runs where the workers'
+    addresses differ (xdist's own message then shows the ids); without xdist, every run
+    finds them.
     """
     addressed = [item.nodeid for item in items if _ADDRESS.search(item.nodeid)]
     if addressed and "PYTEST_XDIST_WORKER" not in os.environ:
