@@ -1,11 +1,12 @@
 """A halo conv step across a matrix of shapes, through the path a user takes.
 
-`python -m benchmarks.matrix` runs P gloo ranks (1 thread each). For every shape it builds the
-layer, parallelizes copies of it with `parallelize_module(..., HaloParallel(...))` and feeds a
-`Shard(2)` DTensor, forward + backward, against the floor: the same layer on the same local
-chunk with its own padding along T (no communication, no halo). Contenders run round-robin
-after an untimed warm-up round, each leading the round in turn; a round's time is its
-slowest rank's. Ratios are the median over the --iters rounds of the ratio within one round
+`python -m benchmarks.matrix` runs P gloo ranks (1 thread each), each on its own block of
+the machine's cores (`pin_rank`; `--no-pin` leaves them to the OS scheduler). For every shape
+it builds the layer, parallelizes copies of it with `parallelize_module(..., HaloParallel(...))`
+and feeds a `Shard(2)` DTensor, forward + backward, against the floor: the same layer on the
+same local chunk with its own padding along T (no communication, no halo). Contenders run
+round-robin after an untimed warm-up round, each leading the round in turn; a round's time is
+its slowest rank's. Ratios are the median over the --iters rounds of the ratio within one round
 (paired: a busy spell of the shared machine slows both alike), or (`--stat min`) compare
 each contender's fastest round, as `timeit` does.
 
@@ -60,8 +61,8 @@ Columns, per shape (time over the floor's):
   same pairing: the library's own work per step, without the time its rank spends waiting
   for the halo; the rest of `layer ms` is waiting (on the wire, and on a 2-core machine
   on the gloo threads' turn at a core). Both move between runs of the same code on a
-  shared machine (here on the tiny row `layer ms` 0.61 to 1.33, `layer cpu` 0.42 to 0.79,
-  18 runs).
+  shared machine: here on the tiny row, 20 runs each in one hour, `layer ms` 0.48 to 1.00
+  (median 0.65) with each rank on its own core, 0.55 to 1.38 (median 0.96) with `--no-pin`.
 
 The device follows the mesh: on a machine with GPUs (`--device cuda`) the same script runs on
 NCCL. Ratios, not times: absolute times on a 2-core VM vary by 3% or more between runs.
@@ -70,7 +71,9 @@ NCCL. Ratios, not times: absolute times on a 2-core VM vary by 3% or more betwee
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -421,6 +424,30 @@ def _ratios(ranks: list[dict[str, Any]], stat: str) -> Callable[[str, str], floa
     return ratio
 
 
+def pin_rank(pin: bool) -> list[int]:
+    """Bind every thread of this rank's process (its main thread, gloo's, the result queue's,
+    and those it starts later, which inherit the mask) to this rank's own block of the cores
+    the process may use, as a launcher binds each rank to its cores (torchrun's
+    `--numa-binding`, `taskset`); the cores, or [] where it leaves placement to the OS
+    scheduler: `pin` false, fewer cores than ranks, or no `os.sched_setaffinity`.
+
+    On this 2-core machine a tiny layer's step keeps four threads busy (each rank's main and
+    gloo thread): unpinned, the scheduler moves them between the cores, and a rank's wait for
+    its halo changes from one world to the next (the tiny row's `layer ms` 0.61 to 1.33 over
+    18 runs of the same code; 0.48 to 1.00 pinned, 20 runs). Every contender of a round runs
+    in the same world, pinned alike.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+    if not pin or len(cpus) < world:
+        return []
+    share = cpus[rank * (len(cpus) // world):(rank + 1) * (len(cpus) // world)]
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), share)
+    return share
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=5)
@@ -430,19 +457,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--stat", choices=("min", "median"), default="median",
                         help="fastest round of each contender, or median of paired ratios")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="leave the ranks' threads to the OS scheduler, as the runs "
+                             "before session 18 in benchmarks/README.md were taken, instead "
+                             "of each rank on its own block of cores")
     args = parser.parse_args(argv)
     steady_allocator()
     cases = [c for c in matrix(args.full) if args.only in c.name]
     print(f"halo conv step (fwd+bwd) over the floor, {args.ranks} gloo ranks, 1 thread each, "
           f"{args.stat} of {args.iters} rounds, through parallelize_module on a Shard(2) "
           "DTensor")
-    print(f"{'shape':<36} {'default':>8} {'overlap':>8} {'no ovl':>8} {'chose':>6} "
-          f"{'chosen/best':>11} {'in limit':>8} {'dflt/chsn':>9} {'taps':>6} {'fl+mv':>6} "
-          f"{'exact':>6} {'dflt/exact':>10} {'sent/halo':>10} {'meta':>5} {'peak/floor':>11} "
-          f"{'pk ovl':>7} {'pk xf':>6} {'pk exact':>8} {'limit':>6} {'fixed ms':>8} "
-          f"{'wrap ms':>7} {'layer ms':>8} {'layer cpu':>9}")
     worst = worst_best = worst_fit = worst_exact = ("", 0.0)
     with GlooWorld(args.ranks, timeout=3600) as gloo:
+        cores = gloo.run(pin_rank, args.pin)
+        print("ranks' cores: " + (", ".join(f"rank {r}: {c}" for r, c in enumerate(cores))
+                                  if all(cores) else "any (not pinned)"))
+        print(f"{'shape':<36} {'default':>8} {'overlap':>8} {'no ovl':>8} {'chose':>6} "
+              f"{'chosen/best':>11} {'in limit':>8} {'dflt/chsn':>9} {'taps':>6} {'fl+mv':>6} "
+              f"{'exact':>6} {'dflt/exact':>10} {'sent/halo':>10} {'meta':>5} {'peak/floor':>11} "
+              f"{'pk ovl':>7} {'pk xf':>6} {'pk exact':>8} {'limit':>6} {'fixed ms':>8} "
+              f"{'wrap ms':>7} {'layer ms':>8} {'layer cpu':>9}")
         for case in cases:
             ranks = gloo.run(rank_case, tuple(case), args.iters, args.device)
             ratio = _ratios(ranks, args.stat)
