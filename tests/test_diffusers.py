@@ -226,13 +226,14 @@ def test_float32_simulated() -> None:
 
 @pytest.mark.simulated
 def test_wrong_plan_names_the_module() -> None:
-    """The mid-block run per shard (its block-causal attention then sees this rank's frames
-    only) is named as the first module that differs."""
+    """The mid-block run per shard (its causal convs and block-causal attention would see
+    this rank's frames only) is named: LocalParallel finds a conv inside reading along T."""
     vae = hunyuan()
     plan = {**plan_for(vae.encoder), "mid_block": LocalParallel()}
     with simulated_mesh(3) as mesh:
         report = verify_plan(vae.encoder, plan, seeded_randn((1, 3, 9, 8, 8), 1), mesh, **TOL)
-    assert report.first is not None and report.first.fqn == "mid_block", report
+    assert not report.ok and report.error_fqn == "mid_block", report
+    assert "reads kernel 3" in str(report.error), report
 
 
 @pytest.mark.simulated

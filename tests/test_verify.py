@@ -43,6 +43,16 @@ class Toy(nn.Module):
         return self.proj(self.causal(h) + h)
 
 
+class PaddedShift(nn.Module):
+    """A causal mix of frames written with functional ops: no conv or pooling module
+    inside for a style to check, so a per-slice plan of it is silently wrong (each shard
+    pads its own first frame), which only a comparison with one device finds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padded = torch.nn.functional.pad(x, (0, 0, 0, 0, 1, 0), mode="replicate")
+        return padded[:, :, 1:] - padded[:, :, :-1]
+
+
 def toy(seed: int, frames: int = 5) -> tuple[nn.Module, torch.Tensor, dict[str, Any]]:
     with single_device():
         torch.manual_seed(seed)
@@ -63,11 +73,17 @@ def case_toy(mesh: Any) -> None:
     report = verify_plan(model, wrong, x, mesh, **TOL)
     assert not report.ok and report.error_fqn == "norm", report
     assert "normalizes over every spatial dim" in str(report.error), report
-    # a causal wrapper run per shard pads every shard's first frame: wrong from there
+    # a causal wrapper run per shard: LocalParallel finds its conv reading along T
     wrong = {**plan, "causal": LocalParallel()}
     report = verify_plan(model, wrong, x, mesh, **TOL)
-    assert report.first is not None and report.first.fqn == "causal", report
-    assert "first difference: output of causal" in str(report)
+    assert not report.ok and report.error_fqn == "causal", report
+    assert "reads kernel 3, stride 1, padding 0 along dim 2" in str(report.error), report
+    # a functional shift run per shard pads every shard's first frame: wrong from there
+    shifted = nn.Sequential(model, PaddedShift())
+    report = verify_plan(shifted, {f"0.{k}": v for k, v in plan.items()} | {
+        "1": LocalParallel()}, x, mesh, **TOL)
+    assert report.first is not None and report.first.fqn == "1", report
+    assert "first difference: output of 1" in str(report)
     # a conv left out of the plan raises inside it
     report = verify_plan(model, {k: v for k, v in plan.items() if k != "proj"}, x, mesh)
     assert report.error is not None and report.error_fqn == "proj", report
@@ -90,9 +106,10 @@ def test_verify_cp_axis_of_2d_mesh() -> None:
     model, x, plan = toy(2)
     with simulated_mesh((2, 3), mesh_dim_names=("dp", "cp")) as mesh:
         assert verify_plan(model, plan, x, mesh, mesh_axis="cp", **TOL).ok
-        report = verify_plan(model, {**plan, "causal": LocalParallel()}, x, mesh,
-                             mesh_axis="cp", **TOL)
-    assert report.first is not None and report.first.fqn == "causal", report
+        shifted = nn.Sequential(model, PaddedShift())
+        report = verify_plan(shifted, {f"0.{k}": v for k, v in plan.items()} | {
+            "1": LocalParallel()}, x, mesh, mesh_axis="cp", **TOL)
+    assert report.first is not None and report.first.fqn == "1", report
 
 
 class Backward(torch.autograd.Function):

@@ -24,6 +24,7 @@ forward hooks then.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -36,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import Placement
+from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
 from haloshard import _comm
@@ -131,8 +133,13 @@ class ShardedForward:
             # The enclosing halo module already supplied this module's halo.
             return self.inside(*args, **kwargs)
         name = self.name or type(self.module).__name__
+        # A parametrized weight (spectral_norm, weight_norm, ...) is computed once per call,
+        # as the module's own forward computes it: the halo paths read it more than once,
+        # and spectral_norm in training would step its power iteration at each read.
+        cache = (parametrize.cached() if parametrize.is_parametrized(self.module)
+                 and not torch.compiler.is_compiling() else contextlib.nullcontext())
         # Collectives that time out waiting for another rank name this module.
-        with _comm.labelled(name):
+        with _comm.labelled(name), cache:
             try:
                 return self.sharded(*args, **kwargs)
             except HaloError as error:

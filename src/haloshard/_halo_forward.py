@@ -65,16 +65,19 @@ from haloshard._site import (
     with_spare,
 )
 from haloshard._specs import (
+    CONVS,
     DERIVABLE,
     SPATIAL,
     TRANSPOSED,
     ConvStencil,
     Stencil,
     WindowPlan,
+    conv_padding,
     derive_stencil,
     known_forward,
     local_attrs,
     plan_windows,
+    spatial_index,
 )
 from haloshard._steady import Steady, sharded_conv, steady_of
 from haloshard._varlen import active_boundaries
@@ -100,6 +103,7 @@ class HaloForward(ShardedForward):
         self.overlap, self.watch, self.local = overlap, watch, local
         self.name = name or type(module).__name__
         self.known = known  # the module runs torch's own forward for its kind
+        self.follows_mode = False  # the halo's pad follows the conv's padding_mode (`of`)
         # other sharded dims the module treats slice by slice (no halo along them)
         self.per_slice: tuple[int, ...] = ()
         # other sharded dims a causal wrapper pads itself (`F.pad`): the halo replaces it
@@ -138,11 +142,16 @@ class HaloForward(ShardedForward):
         # replaced by halo_conv, and a derived halo is checked against what it does at run
         # time.
         known = known_forward(module)
-        return cls(module, annotation, mesh, saved, module.__dict__.get("forward"),
-                   overlap=overlap if known else False,
-                   watch=(annotation.spec is None and not known
-                          and isinstance(module, DERIVABLE)),
-                   name=module_name(module), local=local, known=known)
+        forward = cls(module, annotation, mesh, saved, module.__dict__.get("forward"),
+                      overlap=overlap if known else False,
+                      watch=(annotation.spec is None and not known
+                             and isinstance(module, DERIVABLE)),
+                      name=module_name(module), local=local, known=known)
+        # torch's own conv padding `dim`: its halo pads as its `padding_mode` reads at each
+        # call (a user may set it after planning; the changed mode is agreed like any other)
+        forward.follows_mode = (known and isinstance(module, CONVS)
+                                and any(conv_padding(module)[spatial_index(module, forward.dim)]))
+        return forward
 
     def attributes(self) -> dict[str, Any]:
         """The module's padding along `dim` while the halo is installed: none (the halo
@@ -181,7 +190,20 @@ class HaloForward(ShardedForward):
         if (steady is not None and not args and not kwargs and type(x) is DTensor
                 and active_boundaries() is None and steady.matches(x, self.module)):
             return steady.run(x, self.module)  # what the agreement already settled
+        try:
+            return self.whole(x, *args, **kwargs)
+        except HaloError as error:
+            changed = self.changed_since_planned()
+            if changed is None:
+                raise
+            raise HaloError(f"{changed}; {error}") from error
+
+    def whole(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """A call the steady state does not cover: site, plan, agreement, formulation."""
         annotation = self.annotation
+        if self.follows_mode and annotation.stencil.pad != self.module.padding_mode:
+            annotation = self.annotation = replace(
+                annotation, stencil=replace(annotation.stencil, pad=self.module.padding_mode))
         if isinstance(self.module, TRANSPOSED) and (args or "output_size" in kwargs):
             raise HaloError("ConvTranspose with output_size= is not supported under a halo "
                             "(it would size each rank's local output); expected no output_size")
@@ -212,6 +234,26 @@ class HaloForward(ShardedForward):
         y = self.exchange_first(site, plan, reuse, *args, **kwargs)
         self.check_windows(y, site, plan, reuse)
         return with_spare(_output(y, site, plan, annotation), site)
+
+    def changed_since_planned(self) -> str | None:
+        """How torch's own conv now differs along `dim` from the halo it was planned with
+        (its kernel, stride, dilation or padding set after `parallelize_module`), or None."""
+        module, stencil, dim = self.module, self.annotation.stencil, self.dim
+        if not (self.plain and isinstance(module, CONVS) and isinstance(stencil, ConvStencil)
+                and self.annotation.spec is None):
+            return None
+        si = spatial_index(module, dim)
+        span = module.dilation[si] * (module.weight.shape[dim] - 1) + 1
+        now = (span, module.stride[si], conv_padding(module)[si])
+        if now == (stencil.span, stencil.stride, (0, 0)):
+            return None
+        return (f"its kernel, dilation, stride or padding along dim {dim} changed after "
+                f"parallelize_module: planned for a kernel span of {stencil.span}, stride "
+                f"{stencil.stride} and padding {(stencil.pad_left, stencil.pad_right)} (the "
+                f"halo holds that padding: the conv's own reads 0 along dim {dim} while "
+                f"planned), now a span of {now[0]}, stride {now[1]} and padding {now[2]} of "
+                "its own; remove its halo (`halo_handles(model)[fqn].remove()`) and plan it "
+                "again")
 
     def conv_on_dtensor(self, x: DTensor, site: Site, plan: WindowPlan, reuse: Reuse,
                         choose: Callable[[], Choice] | None, *, steady: bool) -> Any:

@@ -27,8 +27,10 @@ handle that `halo_handles(model)` returns, like a halo.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -61,6 +63,7 @@ from haloshard._forward import (
     ShardedForward,
     check_layouts,
     enclosing,
+    handle_of,
     install,
     names_errors,
     output_layouts,
@@ -91,6 +94,7 @@ from haloshard._specs import (
     derive_stencil,
     known_forward,
     spatial_index,
+    torch_forward,
 )
 
 
@@ -104,6 +108,11 @@ class _LocalForward(ShardedForward):
 
     style = "LocalParallel"
     local_dims: tuple[int, ...] = ()  # other dims the module treats slice by slice
+    # the convs and poolings inside a per-slice block, checked once per input rank
+    kernels: tuple[_Kernel, ...] = ()
+    kernels_checked: frozenset[int] = frozenset()
+    # the InstanceNorms and BatchNorms inside: (fqn, the rank of their inputs' spatial dims)
+    norms: tuple[tuple[str, int], ...] = ()
 
     def site(self, x: torch.Tensor) -> Site:
         if isinstance(x, DTensor):
@@ -129,9 +138,21 @@ class _LocalForward(ShardedForward):
     def local(self, site: Site, *args: Any, **kwargs: Any) -> torch.Tensor:
         x, n = site.local, site.local.shape[self.dim]
         _refuse_mixing(self.module, self.dim, x.ndim, self.style)
+        first = x.ndim not in self.kernels_checked
+        if first:
+            self.check_kernels(x.ndim)
+        for fqn, rank in self.norms:  # a BatchNorm's statistics follow its mode: each call
+            if rank + 2 == x.ndim and not self.styled(fqn):
+                _refuse_mixing(self.module.get_submodule(fqn), self.dim, x.ndim,
+                               f"{self.style} on {self.name or type(self.module).__name__} "
+                               f"(its {fqn})")
         # An empty chunk (T < P) runs as one zero slice, dropped after: convs and pooling
         # refuse empty inputs. Per-rank counts (LocalTensorMode) cannot be tested: pad by
         # what each rank lacks, zero mostly.
+        # decided alike on every rank where the global length is known (a DTensor input)
+        if isinstance(n, torch.SymInt) or (n == 0 if site.placements is None
+                                           else site.length < site.mesh.size(site.axis)):
+            self.refuse_styled_inside()
         if isinstance(n, torch.SymInt) and site.placements is not None:
             x = _equal_chunks(x, self.dim, site)
         elif isinstance(n, torch.SymInt) or n == 0:
@@ -142,11 +163,90 @@ class _LocalForward(ShardedForward):
                  or site.local.shape[d] == 0]
         for d in spare:
             x = with_spare_slice(x, d)
-        y = self.original(x, *args, **kwargs)
+        with self.watching(x) if first else contextlib.nullcontext():
+            y = self.original(x, *args, **kwargs)
+        self.kernels_checked = self.kernels_checked | {x.ndim}
         check_same_length(y.shape[self.dim], x.shape[self.dim], self.style, self.dim)
         for d in spare:
             y = y.narrow(d, 0, site.local.shape[d])
         return y.narrow(self.dim, 0, n) if x is not site.local else y
+
+    def check_kernels(self, ndim: int) -> None:
+        """A conv or pooling inside that takes inputs of this rank (`ndim` dims, the block's
+        own: T still at `dim`, as far as a module can tell) must read one slice along `dim`:
+        on this rank's slices alone, a wider kernel would miss its neighbours' (and pad
+        where one device reads real frames). A block that folds T away first (per-frame
+        convs on `(B*T, C, H, W)`) passes."""
+        bad = [k for k in self.kernels
+               if k.rank + 2 == ndim and (k.kernel, k.stride, k.padding) != (1, 1, 0)
+               and not self.styled(k.fqn)]
+        if bad:
+            k = bad[0]
+            raise HaloError(
+                f"{self.style} runs {self.name or type(self.module).__name__} on this rank's "
+                f"slices along dim {self.dim} alone, but its {k.fqn} ({k.kind}) reads kernel "
+                f"{k.kernel}, stride {k.stride}, padding {k.padding} along dim {self.dim}; "
+                "expected kernel 1, stride 1 and no padding there: plan that layer with "
+                "HaloParallel (and this block's other layers with their own entries)")
+
+    @contextlib.contextmanager
+    def watching(self, x: torch.Tensor) -> Iterator[None]:
+        """A block's first call per input rank: a GroupNorm inside whose input keeps the
+        block's rank and batch (T is still among the dims it normalizes over), or a softmax
+        along `dim` of such an input, raises; one that T was folded away from first (into
+        the batch, per frame) passes. Read off the block's own call, then unhooked."""
+        if self.module_is_leaf:
+            yield
+            return
+
+        def check(module: nn.Module, args: tuple[Any, ...]) -> None:
+            t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if t is None or t.ndim != x.ndim or t.shape[0] != x.shape[0]:
+                return
+            mixing = isinstance(module, nn.GroupNorm) or (
+                module.dim is not None and module.dim % t.ndim == self.dim)
+            if mixing:
+                fqn = next(f for f, m in self.module.named_modules() if m is module)
+                what = ("normalizes" if isinstance(module, nn.GroupNorm)
+                        else "takes a softmax")
+                raise HaloError(
+                    f"{self.style} runs {self.name or type(self.module).__name__} on this "
+                    f"rank's slices along dim {self.dim} alone, but its {fqn} "
+                    f"({type(module).__name__}) gets an input of the block's rank and batch "
+                    f"{tuple(t.shape)}, so it {what} along dim {self.dim} too; expected it "
+                    "on per-frame inputs (T folded into the batch) or a style of its own "
+                    "(GroupNormParallel)")
+
+        handles = [m.register_forward_pre_hook(check) for m in self.module.modules()
+                   if m is not self.module and isinstance(m, (nn.GroupNorm, *_SOFTMAXES))
+                   and handle_of(m) is None]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def refuse_styled_inside(self) -> None:
+        """The zero slices this block's chunk is padded with would reach a layer inside that
+        runs sharded itself (its own entry) as frames: refused."""
+        inside = next((fqn for fqn, m in self.module.named_modules()
+                       if m is not self.module and handle_of(m) is not None), None)
+        if inside is not None:
+            raise HaloError(
+                f"{self.style} runs {self.name or type(self.module).__name__} on an empty chunk "
+                "(or, under simulated ranks, on chunks of unequal lengths) padded with zero "
+                f"slices, but its {inside} has an entry of its own and would take them as "
+                "frames; expected every rank to hold a slice (T >= ranks), equal chunks under "
+                "simulated ranks, or the block's layers planned one by one")
+
+    def styled(self, fqn: str) -> bool:
+        """Whether the module at `fqn` inside has a style of its own (a child's entry in the
+        plan: it runs sharded itself)."""
+        return fqn != "<module>" and handle_of(self.module.get_submodule(fqn)) is not None
+
+    @property
+    def module_is_leaf(self) -> bool:
+        return next(iter(self.module.children()), None) is None
 
     def sharded(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         site = self.site(x)
@@ -175,6 +275,11 @@ _SEQUENCE_MODELS = (nn.MultiheadAttention, nn.RNNBase, nn.TransformerEncoderLaye
                     nn.TransformerDecoderLayer, nn.TransformerEncoder, nn.TransformerDecoder,
                     nn.Transformer)
 _SOFTMAXES = (nn.Softmax, nn.LogSoftmax, nn.Softmin)
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+                nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
+# norms inside a per-slice block whose inputs' rank tells whether T is among their dims
+_NORM_RANKS = {nn.InstanceNorm1d: 1, nn.InstanceNorm2d: 2, nn.InstanceNorm3d: 3,
+               nn.BatchNorm1d: 1, nn.BatchNorm2d: 2, nn.BatchNorm3d: 3}
 
 
 def _mixing(module: nn.Module, dim: int, ndim: int | None) -> str | None:
@@ -192,6 +297,11 @@ def _mixing(module: nn.Module, dim: int, ndim: int | None) -> str | None:
         return f"normalizes along its dim {module.dim}"
     if ndim is None:
         return None
+    # batch statistics (torch's own rule: training, or no running statistics) run over B
+    # and every spatial dim; eval() with running statistics is an affine map per channel
+    if isinstance(module, _BATCH_NORMS) and (module.training or module.running_mean is None):
+        return ("normalizes with batch statistics over every spatial dim (in training, or "
+                "without running statistics; eval() with running statistics is per-slice)")
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         first = ndim - len(module.normalized_shape)
         if dim >= first:
@@ -237,7 +347,13 @@ class LocalParallel(ParallelStyle):
             and InstanceNorm, attention, RNN and transformer layers other than along their
             batch dim, a softmax along dim); at run time when the module changes the length
             of `dim` (it is not per-slice), or for a LayerNorm / RMSNorm normalizing over
-            dim, or a Linear on its last dim.
+            dim, a Linear on its last dim, or a BatchNorm with batch statistics (training,
+            or no running statistics); inside a block, named by fqn, for a conv or pooling
+            that takes inputs of the block's rank with a kernel, stride or padding along
+            dim, an InstanceNorm, a batch-statistics BatchNorm, or a GroupNorm (or softmax
+            along dim) whose input keeps the block's rank and batch (per-frame layers, T
+            folded into the batch, pass), and for a layer inside with an entry of its own
+            when the chunk is padded with zero slices (empty, or unequal simulated chunks).
 
     Example::
         >>> skip = parallelize_module(nn.Conv3d(8, 4, 1), mesh, LocalParallel())  # kernel 1
@@ -283,6 +399,10 @@ class LocalParallel(ParallelStyle):
         self._validate(module)
         forward = self._forward_type(module)(module, self.dim, device_mesh)
         forward.local_dims = self.local_dims + _per_slice_dims(module, self.dim)
+        if self.per_slice:
+            forward.kernels = _kernels(module, self.dim)
+            forward.norms = tuple((fqn, _NORM_RANKS[type(m)]) for fqn, m in module.named_modules()
+                                  if fqn and type(m) in _NORM_RANKS)
         install(module, forward)
         output_layouts(module, self.dim, self.output_layouts, self.use_local_output)
         return module
@@ -372,6 +492,12 @@ class GroupNormParallel(LocalParallel):
         if not isinstance(module, nn.GroupNorm):
             raise HaloError(f"GroupNormParallel applies to nn.GroupNorm, got "
                             f"{type(module).__name__}")
+        # it computes `F.group_norm` only (a style already attached is refused at install)
+        if not torch_forward(module, nn.GroupNorm, attached=handle_of(module) is not None):
+            raise HaloError(f"GroupNormParallel runs nn.GroupNorm's own forward; "
+                            f"{type(module).__name__} has a forward of its own, which it "
+                            "would skip: expected a plain nn.GroupNorm (plan this module's "
+                            "pieces, or give it a style that runs its forward)")
         super()._validate(module)
 
 

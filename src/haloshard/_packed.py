@@ -20,7 +20,7 @@ from haloshard._forward import INSIDE
 from haloshard._layout import HaloShard
 from haloshard._no_pad import CONV_FNS, NoPadAlong
 from haloshard._site import Site, rewrap
-from haloshard._specs import CONVS, DERIVABLE
+from haloshard._specs import CONVS, DERIVABLE, torch_forward
 from haloshard._varlen import active_boundaries, varlen_conv
 
 # `forward` below is a `_halo_forward.HaloForward` (typed Any: that module imports this one)
@@ -37,9 +37,9 @@ def packed_conv(forward: Any, site: Site) -> Any:
                     "per document (haloshard.packed)")
     if spec is not None and not isinstance(module, DERIVABLE):
         return rewrap(_packed_wrapper(forward, site, spec), site, dim, site.length)
-    # known_forward() sees the halo forward now attached: ask about the class instead.
+    # the halo forward is attached to the instance: ask about the rest
     own = forward.previous is None and any(
-        type(module).forward is conv.forward for conv in CONVS)
+        torch_forward(module, conv, attached=True) for conv in CONVS)
     if not (forward.annotation.spec is None and isinstance(module, CONVS) and own):
         raise HaloError(
             f"under haloshard.packed only plain nn.Conv1d/2d/3d halo layers (torch's own "

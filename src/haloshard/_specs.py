@@ -489,21 +489,46 @@ def _upsample(module: nn.Upsample, si: int) -> ResampleStencil:
     return ResampleStencil(int(f), "linear" if linear else "nearest")
 
 
+# The methods torch's own forwards of these kinds call besides `forward`: a subclass that
+# overrides one (weight standardisation in `_conv_forward`, as timm's StdConv does) computes
+# something its attributes do not show.
+_FORWARD_METHODS = ("forward", "_conv_forward", "_output_padding")
+
+
 def known_forward(module: nn.Module) -> bool:
-    """Whether the module runs torch's own forward for its kind (conv, pooling, ...).
+    """Whether the module runs torch's own forward for its kind (conv, pooling, ...): its
+    `forward` and the methods that forward calls are its torch class's, on the class and the
+    instance.
 
     Only then may a stencil derived from its attributes be trusted to describe what it
-    computes, and a fast path replace its forward: a subclass with its own `forward` may pad
-    or rescale in ways no attribute shows.
+    computes, and a fast path replace its forward: a subclass with its own `forward` (or
+    `_conv_forward`) may pad, rescale or standardise in ways no attribute shows.
 
     Example::
         >>> known_forward(nn.Conv3d(1, 1, 3)), known_forward(nn.GELU())
         (True, False)
     """
-    if "forward" in module.__dict__:
-        return False
     base = next((cls for cls in DERIVABLE if isinstance(module, cls)), None)
-    return base is not None and type(module).forward is base.forward
+    return base is not None and torch_forward(module, base)
+
+
+def torch_forward(module: nn.Module, base: type[nn.Module], *, attached: bool = False) -> bool:
+    """Whether `module` runs `base`'s own forward: an instance of `base` whose `forward` and
+    the methods torch's forwards call (`_conv_forward`, `_output_padding`) are `base`'s, on
+    its class and on the instance (but the instance's `forward` where a haloshard forward is
+    `attached` to it).
+
+    Example::
+        >>> class Std(nn.Conv1d):
+        ...     def _conv_forward(self, x, w, b):
+        ...         return super()._conv_forward(x, w - w.mean(), b)
+        >>> torch_forward(nn.GroupNorm(1, 2), nn.GroupNorm), torch_forward(Std(1, 1, 3), nn.Conv1d)
+        (True, False)
+    """
+    return isinstance(module, base) and all(
+        (name not in module.__dict__ or (attached and name == "forward"))
+        and getattr(type(module), name, None) is getattr(base, name, None)
+        for name in _FORWARD_METHODS)
 
 
 def derive_stencil(module: nn.Module, dim: int) -> Stencil:

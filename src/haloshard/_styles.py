@@ -34,7 +34,15 @@ from haloshard._forward import (
 from haloshard._halo_forward import HaloForward, LocalRun
 from haloshard._layer_styles import GroupNormParallel
 from haloshard._layout import HaloShard
-from haloshard._specs import CONVS, DERIVABLE, TRANSPOSED, Stencil, is_stencil, spatial_index
+from haloshard._specs import (
+    CONVS,
+    DERIVABLE,
+    TRANSPOSED,
+    Stencil,
+    is_stencil,
+    spatial_index,
+    torch_forward,
+)
 
 _PLAIN_CONVS = CONVS + TRANSPOSED
 
@@ -172,14 +180,15 @@ def halo_plan(
     module outside the plan with statistics along `dim` (a norm), a kernel or pooling along
     it, or parameters of its own raises `HaloError` naming every such module by fqn (a
     module `module_filter_fn` rejects is the caller's to plan). With `include_norms=True`
-    every `nn.GroupNorm` gets `GroupNormParallel` (exact global statistics). Modules inside
+    every `nn.GroupNorm` gets `GroupNormParallel` (exact global statistics), and a subclass
+    with a forward of its own (which the style would skip) raises `HaloError`. Modules inside
     an annotated module are left to it. Each entry is validated here, once.
 
     Args:
         model: the model.
         dim: the sharded dim (annotations keep their own).
         include_convs: also plan the convs that carry no annotation, and check the rest.
-        include_norms: also plan every `nn.GroupNorm`.
+        include_norms: also plan every `nn.GroupNorm` (torch's own forward).
         module_filter_fn: `fn(module, fqn) -> bool`; False leaves the module out (and to
             the caller).
 
@@ -211,6 +220,9 @@ def halo_plan(
             note = annotation_of(module)
             if note is not None and not isinstance(module, DERIVABLE):
                 covered.append(fqn)
+        elif kept and include_norms and isinstance(module, nn.GroupNorm):  # not torch's forward
+            uncovered.append(f"{fqn or '<root>'} ({type(module).__name__}: a GroupNorm with a "
+                             "forward of its own, which GroupNormParallel would skip)")
         elif kept and include_convs and (why := _uncovered(module, dim)) is not None:
             uncovered.append(f"{fqn or '<root>'} ({type(module).__name__}: {why})")
     if uncovered:
@@ -230,7 +242,7 @@ def _entry(module: nn.Module, dim: int, include_convs: bool, include_norms: bool
     if include_convs and isinstance(module, _PLAIN_CONVS) and _has_kernel_along(module, dim):
         resolve(module, None, dim=dim)
         return HaloParallel(None, dim=dim)
-    if include_norms and isinstance(module, nn.GroupNorm):
+    if include_norms and torch_forward(module, nn.GroupNorm):
         return GroupNormParallel(dim=dim)
     return None
 

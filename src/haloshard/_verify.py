@@ -360,12 +360,18 @@ def verify_plan(
         HaloError: when the single-device run does not return one tensor.
 
     Example::
-        >>> model, x = nn.Sequential(CausalConv3d(2)), torch.randn(1, 2, 9, 4, 4)
-        >>> with simulated_mesh(3) as mesh:  # a causal wrapper run per shard: wrong
-        ...     wrong = verify_plan(model, {"0": LocalParallel()}, x, mesh)
-        ...     right = verify_plan(model, {"0": CausalConvParallel()}, x, mesh)
+        >>> class Step(nn.Module):  # frame t less frame t - 1 (the first repeated)
+        ...     def forward(self, x):
+        ...         p = F.pad(x, (0, 0, 0, 0, 1, 0), mode="replicate")
+        ...         return p[:, :, 1:] - p[:, :, :-1]
+        >>> model, x = nn.Sequential(CausalConv3d(2), Step()), torch.randn(1, 2, 9, 4, 4)
+        >>> with simulated_mesh(3) as mesh:  # the step run per shard: wrong from there
+        ...     wrong = verify_plan(model, {"0": CausalConvParallel(), "1": LocalParallel()},
+        ...                         x, mesh)
+        ...     halo = HaloParallel(HaloShard(2, left=1, right=0, pad="replicate"))
+        ...     right = verify_plan(model, {"0": CausalConvParallel(), "1": halo}, x, mesh)
         >>> wrong.ok, wrong.first.fqn, right.ok
-        (False, '0', True)
+        (False, '1', True)
     """
     run = run or (lambda m, x: m(x))
     axis = _comm._mesh_axis(mesh, mesh_axis)
