@@ -112,6 +112,11 @@ def test_group_norm_with_its_own_forward_is_refused() -> None:
         halo_plan(model, include_norms=True)
     plain = nn.Sequential(nn.Conv3d(4, 4, 3, padding=1), nn.GroupNorm(2, 4))
     assert list(halo_plan(plain, include_convs=True, include_norms=True)) == ["0", "1"]
+    with simulated_mesh(2) as mesh:  # planned already: the plan's entries say so, not its forward
+        parallelize_module(plain, mesh, halo_plan(plain, include_convs=True, include_norms=True))
+        assert list(halo_plan(plain, include_convs=True, include_norms=True)) == ["0", "1"]
+        with pytest.raises(HaloError, match="already applied"):
+            parallelize_module(plain, mesh, {"1": GroupNormParallel()})
 
 
 @pytest.mark.parametrize("calls_before", [0, 3])

@@ -242,7 +242,8 @@ def _entry(module: nn.Module, dim: int, include_convs: bool, include_norms: bool
     if include_convs and isinstance(module, _PLAIN_CONVS) and _has_kernel_along(module, dim):
         resolve(module, None, dim=dim)
         return HaloParallel(None, dim=dim)
-    if include_norms and torch_forward(module, nn.GroupNorm):
+    if include_norms and torch_forward(module, nn.GroupNorm,
+                                       attached=handle_of(module) is not None):
         return GroupNormParallel(dim=dim)
     return None
 
