@@ -33,7 +33,14 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
-from haloshard import GroupNormParallel, HaloError, HaloParallel, LocalParallel, halo_plan
+from haloshard import (
+    GroupNormParallel,
+    HaloError,
+    HaloParallel,
+    LocalParallel,
+    halo_exchange,
+    halo_plan,
+)
 from haloshard._specs import known_forward
 from haloshard.testing import (
     GlooWorld,
@@ -207,6 +214,28 @@ def test_padding_mode_set_on_one_rank_raises_on_every_rank(two: GlooWorld) -> No
     for message, seconds in outcomes:
         assert "no error" not in message and seconds < 5.0, outcomes  # not the pg timeout
     assert "in ['pad']" in outcomes[1][0] and "rank(s) [1]" in outcomes[0][0], outcomes
+    assert "'pad': 'replicate'" in outcomes[1][0] and "'pad': 'zeros'" in outcomes[1][0]
+
+
+def _exchange_disagreeing(field: str) -> str:
+    """`halo_exchange` with `field` (pad or transport) differing between the two ranks."""
+    rank, mesh = dist.get_rank(), worker_mesh(2)
+    kwargs: dict[str, Any] = {field: (("zeros", "replicate") if field == "pad"
+                                      else ("all_to_all", "p2p"))[rank]}
+    try:
+        halo_exchange(torch.randn(1, 2, 3), left=1, right=1, dim=2, group=mesh, **kwargs)
+    except HaloError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("field, names", [("pad", "['zeros', 'replicate']"),
+                                          ("transport", "['all_to_all', 'p2p']")])
+def test_disagreeing_modes_are_named(two: GlooWorld, field: str, names: str) -> None:
+    """Ranks that disagree on a pad mode or transport read their names, not row codes."""
+    for message in two.run(_exchange_disagreeing, field):
+        assert f"ranks disagree on {field}: {names}" in message, message
 
 
 @pytest.mark.parametrize("parametrization", [spectral_norm, weight_norm])

@@ -48,9 +48,21 @@ _FIELDS = ("error", "ndim", "dim", "left", "right", "pad", "transport", "dtype",
            "requires_grad", "grad_enabled", "length", "global_length",
            *(f"size of dim {i}" for i in range(_MAX_DIMS)))
 _LEN = _FIELDS.index("length")
+
+
+def _shown_field(name: str, values: list[Any]) -> tuple[str, list[Any]]:
+    """A row field's values as a message shows them: pad modes, transports and dtypes by
+    name, not by their codes in the row."""
+    choices = {"pad": PAD_MODES + LENIENT_PADS, "transport": TRANSPORTS}.get(name)
+    if choices is None:
+        return name, shown(name, values)
+    return name, [choices[v] if isinstance(v, int) and 0 <= v < len(choices) else v
+                  for v in values]
+
+
 _ROW = Fields(_FIELDS, "halo_exchange", "every rank must pass the same halo_exchange "
               "arguments and tensors that differ only in the length of the sharded dim",
-              may_differ=frozenset({"length"}))
+              may_differ=frozenset({"length"}), show=_shown_field)
 # Halo widths and lengths must fit the int64 metadata row (and any index tensor).
 _MAX_INT = 2**62
 
@@ -299,7 +311,8 @@ def _join(agreed: Agreed, group: Group, flag: int) -> list[int]:
 
 def shown_row(row: list[int]) -> dict[str, Any]:
     """A metadata row as a message shows it."""
-    return {f: shown(f, [v])[0] for f, v in zip(_FIELDS, row, strict=True) if v != -1}
+    return {f: _shown_field(f, [v])[1][0] for f, v in zip(_FIELDS, row, strict=True)
+            if v != -1}
 
 
 def length_problem(global_length: object) -> str | None:

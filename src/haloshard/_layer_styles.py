@@ -354,6 +354,9 @@ class LocalParallel(ParallelStyle):
             along dim) whose input keeps the block's rank and batch (per-frame layers, T
             folded into the batch, pass), and for a layer inside with an entry of its own
             when the chunk is padded with zero slices (empty, or unequal simulated chunks).
+            These see modules only: the block's own functional calls along dim (`F.softmax`,
+            a mean or pooling over T, its local length) are the plan's claim;
+            `verify_plan` checks them against one device.
 
     Example::
         >>> skip = parallelize_module(nn.Conv3d(8, 4, 1), mesh, LocalParallel())  # kernel 1
